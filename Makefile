@@ -1,0 +1,50 @@
+# Two commands set up everything on a fresh machine: `make demo` and `make test`.
+# torch==2.13.0 is installed first, on its own: an unpinned torch would pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+TORCH_PIN := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-slow lint format bench clean
+
+$(VENV)/.installed-core: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH_PIN)
+	$(PIP) install -q -e '.[tensordict]'
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed-core pyproject.toml
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+## demo: set up and run the main job on the embedded default store (./.ckptstore/)
+demo: $(VENV)/.installed-core
+	$(PY) -m ckptstore.demo
+
+## test: set up (with test servers) and run the default test suite
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+## test-slow: only the slow cases
+test-slow: $(VENV)/.installed-dev
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+## lint: ruff (lint + format check) and mypy on the library
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy ckptstore
+
+format: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+## bench: the storage benchmark against torch.save/torch.load and safetensors
+bench: $(VENV)/.installed-dev
+	$(PY) bench/bench_store.py
+
+clean:
+	rm -rf $(VENV) .ckptstore .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,103 @@
+"""Encoding one blob into a stored object, and reading one back with verification."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptstore.cas import codec as codecs
+from ckptstore.cas.digest import blob_key, digest_bytes, from_raw, raw_digest
+from ckptstore.cas.header import Codec, Header, Kind, decode_header
+from ckptstore.errors import IntegrityError, ObjectNotFoundError
+from ckptstore.objectstore.base import BytesLike, ObjectStore
+
+
+class MissingBlobError(IntegrityError, FileNotFoundError):
+    """A blob that a checkpoint references is not in the store."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlobRef:
+    """What writing a blob produced; small and picklable (part of a worker's receipt)."""
+
+    digest: str
+    kind: Kind
+    #: How this write encoded it; None if the blob was already stored (not re-read).
+    codec: Codec | None
+    logical_bytes: int
+    stored_bytes: int
+    #: True if this write uploaded the object; False if it was already in the store.
+    uploaded: bool
+
+
+def encode_object(
+    raw: memoryview, digest: str, kind: Kind, *, itemsize: int, float_like: bool, threshold: float
+) -> tuple[Header, list[memoryview]]:
+    """Header and payload parts of the stored object for ``raw`` (payload may alias ``raw``)."""
+    enc = codecs.encode(raw, itemsize=itemsize, float_like=float_like, threshold=threshold)
+    header = Header(
+        kind=kind,
+        codec=enc.codec,
+        itemsize=enc.itemsize,
+        raw_len=raw.nbytes,
+        stored_len=enc.stored_len,
+        digest=raw_digest(digest),
+        params=enc.params,
+    )
+    return header, enc.payload
+
+
+def put_blob(
+    store: ObjectStore,
+    raw: BytesLike,
+    kind: Kind,
+    *,
+    itemsize: int = 1,
+    float_like: bool = False,
+    threshold: float = codecs.MIN_GAIN,
+    digest: str | None = None,
+    skip_existing: bool = True,
+) -> BlobRef:
+    """Hash, encode and store ``raw`` unless the store already has it."""
+    view = memoryview(raw).cast("B")
+    digest = digest or digest_bytes(view)
+    key = blob_key(digest)
+    if skip_existing:
+        try:
+            info = store.head(key)
+        except ObjectNotFoundError:
+            pass
+        else:
+            return BlobRef(digest, kind, None, view.nbytes, info.size, uploaded=False)
+    header, payload = encode_object(
+        view, digest, kind, itemsize=itemsize, float_like=float_like, threshold=threshold
+    )
+    created = store.put(key, [header.encode(), *payload])
+    return BlobRef(
+        digest, kind, header.codec, view.nbytes, header.size + header.stored_len, uploaded=created
+    )
+
+
+def decode_object(data: memoryview, digest: str, where: str) -> tuple[Header, memoryview]:
+    """Verify a whole stored object against ``digest``; return its header and raw bytes."""
+    header = decode_header(data, where)
+    if from_raw(header.digest) != digest:
+        raise IntegrityError(f"{where}: header names digest {from_raw(header.digest)}")
+    payload = data[header.size :]
+    raw = codecs.decode(
+        header.codec, header.itemsize, header.params, payload, header.raw_len, where
+    )
+    actual = digest_bytes(raw)
+    if actual != digest:
+        raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")
+    return header, raw
+
+
+def get_blob(store: ObjectStore, digest: str, *, context: str = "") -> tuple[Header, memoryview]:
+    """Fetch, decode and verify one blob. Errors name the key, the store and ``context``."""
+    key = blob_key(digest)
+    where = f"blob {store.url}/{key}" + (f" ({context})" if context else "")
+    try:
+        data = store.get(key)
+    except ObjectNotFoundError as exc:
+        raise MissingBlobError(f"{where} is missing from the store") from exc
+    return decode_object(memoryview(data), digest, where)

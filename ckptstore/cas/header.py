@@ -1,0 +1,110 @@
+"""The self-describing header at the start of every stored blob.
+
+Layout (little-endian), padded with zeros to a multiple of 64 bytes so the payload of a raw
+blob is aligned for any dtype when read into memory::
+
+    magic      4s   b"CKPB"
+    version    u8   1
+    kind       u8   0 chunk, 1 pack, 2 index
+    codec      u8   0 raw, 1 zstd, 2 byte-grouped zstd
+    itemsize   u8   element size the byte-grouping used (1 otherwise)
+    raw_len    u64  length of the raw bytes the digest covers
+    stored_len u64  length of the payload that follows the header
+    digest     32s  BLAKE3-256 of the raw bytes
+    params_len u32  length of codec parameters that follow
+    params     ...  codec parameters (byte-grouping: per plane u8 codec + u64 length)
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from ckptstore.errors import IntegrityError
+
+MAGIC = b"CKPB"
+VERSION = 1
+ALIGN = 64
+_FIXED = struct.Struct("<4sBBBBQQ32sI")
+#: A header never needs more: the byte-grouping table holds at most 16 planes.
+MAX_HEADER = 512
+#: Hard limit on one blob's raw length; guards allocation against crafted headers.
+MAX_RAW_LEN = 1 << 36
+
+
+class Kind(enum.IntEnum):
+    CHUNK = 0
+    PACK = 1
+    INDEX = 2
+
+
+class Codec(enum.IntEnum):
+    RAW = 0
+    ZSTD = 1
+    BGZSTD = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: Kind
+    codec: Codec
+    itemsize: int
+    raw_len: int
+    stored_len: int
+    digest: bytes
+    params: bytes = b""
+
+    @property
+    def size(self) -> int:
+        """Bytes the encoded header occupies, padding included."""
+        return _padded(_FIXED.size + len(self.params))
+
+    def encode(self) -> bytes:
+        fixed = _FIXED.pack(
+            MAGIC,
+            VERSION,
+            self.kind,
+            self.codec,
+            self.itemsize,
+            self.raw_len,
+            self.stored_len,
+            self.digest,
+            len(self.params),
+        )
+        body = fixed + self.params
+        return body + bytes(self.size - len(body))
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def decode_header(data: memoryview, where: str) -> Header:
+    """Parse and sanity-check the header at the start of ``data`` (a whole stored object)."""
+    if data.nbytes < _FIXED.size:
+        raise IntegrityError(f"{where}: object is {data.nbytes} bytes, too short for a blob header")
+    magic, version, kind, codec, itemsize, raw_len, stored_len, digest, params_len = (
+        _FIXED.unpack_from(data)
+    )
+    if magic != MAGIC:
+        raise IntegrityError(f"{where}: not a ckptstore blob (bad magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise IntegrityError(
+            f"{where}: blob format version {version} is not supported by this ckptstore "
+            f"(supports {VERSION}); upgrade ckptstore"
+        )
+    try:
+        kind_e, codec_e = Kind(kind), Codec(codec)
+    except ValueError as exc:
+        raise IntegrityError(f"{where}: unknown blob kind {kind} or codec {codec}") from exc
+    if params_len > MAX_HEADER or raw_len > MAX_RAW_LEN or itemsize < 1:
+        raise IntegrityError(f"{where}: implausible blob header (corrupt or crafted)")
+    params = bytes(data[_FIXED.size : _FIXED.size + params_len])
+    header = Header(kind_e, codec_e, itemsize, raw_len, stored_len, bytes(digest), params)
+    if data.nbytes != header.size + stored_len:
+        raise IntegrityError(
+            f"{where}: object is {data.nbytes} bytes but its header declares "
+            f"{header.size + stored_len} (truncated or corrupt)"
+        )
+    return header

@@ -1,0 +1,36 @@
+"""The one exception hierarchy of ckptstore.
+
+Every error derives from :class:`CkptStoreError`. Where a built-in exception has the same
+meaning, the subclass inherits it too (``ObjectNotFoundError`` is a ``FileNotFoundError``), so
+callers can catch either. Messages say what failed, where (store URL, key, path) and what to do.
+"""
+
+from __future__ import annotations
+
+
+class CkptStoreError(Exception):
+    """Root of every error raised by ckptstore."""
+
+
+class ConfigError(CkptStoreError, ValueError):
+    """An option or URL is invalid; the message names the option and the fix."""
+
+
+class ObjectStoreError(CkptStoreError, OSError):
+    """An object-store operation failed permanently (after retries where they apply)."""
+
+
+class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
+    """The object (or bucket) does not exist."""
+
+
+class StorePermissionError(ObjectStoreError, PermissionError):
+    """The store refused the credentials or the operation."""
+
+
+class IntegrityError(CkptStoreError):
+    """Stored bytes do not match their recorded digest, length or format."""
+
+
+class SerializationError(CkptStoreError, TypeError):
+    """A value cannot be saved or an index cannot be read back; the message names its path."""

@@ -1,0 +1,513 @@
+"""S3Store: Amazon S3 or any S3-compatible server (MinIO, SeaweedFS, moto) through boto3.
+
+Credentials come only from boto3's normal chain (environment, profile, instance role); this
+module never stores or prints them. botocore's own retries are turned off so that one policy
+(:mod:`._retry`) covers every request, including reading a response body that was cut short.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config
+from urllib3.exceptions import HTTPError as Urllib3HTTPError
+
+from ckptstore.errors import (
+    ConfigError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    StorePermissionError,
+)
+from ckptstore.objectstore._retry import RetryPolicy, call_with_retries
+from ckptstore.objectstore.base import (
+    ObjectInfo,
+    ObjectStore,
+    PutData,
+    as_parts,
+    check_key,
+    clip_range,
+    parts_size,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+_TRANSIENT_CODES = frozenset(
+    {
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "TooManyRequests",
+        "RequestLimitExceeded",
+        "RequestTimeout",
+        "InternalError",
+        "ServiceUnavailable",
+        "ConditionalRequestConflict",
+        "OperationAborted",
+    }
+)
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+_DENIED_CODES = frozenset(
+    {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
+)
+
+
+class TruncatedResponseError(ObjectStoreError):
+    """A response body ended before its declared length (retried as transient)."""
+
+
+class S3Store(ObjectStore):
+    """Objects in ``s3://bucket/prefix``.
+
+    Args:
+        bucket: Bucket name; it must exist.
+        prefix: Key prefix inside the bucket; every key of this store lives below it.
+        endpoint_url: S3-compatible endpoint; default from boto3 (``AWS_ENDPOINT_URL``...).
+        profile_name: boto3 profile for credentials and region.
+        region_name: Region; default from boto3's configuration.
+        addressing_style: ``"path"`` or ``"virtual"``; default ``"path"`` when an endpoint is
+            configured (local servers rarely resolve bucket subdomains), else boto3's choice.
+        multipart_threshold: Objects of at least this many bytes are uploaded in parts.
+        part_size: Size of each multipart part (S3 needs >= 5 MiB except the last).
+        max_concurrency: Parts uploaded in parallel for one object.
+        retry: Backoff policy for throttling, 5xx, timeouts and dropped connections.
+        connect_timeout, read_timeout: Socket timeouts in seconds, so a hung request fails
+            (and is retried) instead of hanging training.
+        conditional_writes: Use ``If-None-Match: *`` for idempotent creates. ``None`` probes:
+            it is tried and turned off if the server rejects the header, falling back to
+            HEAD then PUT.
+        client: A ready boto3 S3 client to use instead of building one.
+    """
+
+    write_bandwidth_hint = 1.5e8
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        profile_name: str | None = None,
+        region_name: str | None = None,
+        addressing_style: str | None = None,
+        multipart_threshold: int = 32 * MiB,
+        part_size: int = 8 * MiB,
+        max_concurrency: int = 8,
+        retry: RetryPolicy | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        conditional_writes: bool | None = None,
+        client: S3Client | None = None,
+    ) -> None:
+        if not bucket:
+            raise ConfigError("S3Store needs a bucket name, e.g. s3://my-bucket/checkpoints")
+        if part_size < 5 * MiB:
+            raise ConfigError("S3Store part_size must be at least 5 MiB (an S3 limit)")
+        if multipart_threshold < part_size:
+            raise ConfigError("S3Store multipart_threshold must be >= part_size")
+        if max_concurrency < 1:
+            raise ConfigError("S3Store max_concurrency must be >= 1")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        if self.prefix:
+            check_key(self.prefix)
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.retry = retry or RetryPolicy()
+        self._conditional = conditional_writes
+        self._conditional_lock = threading.Lock()
+        if client is None:
+            endpoint = (
+                endpoint_url
+                or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL")
+            )
+            style = addressing_style or ("path" if endpoint else "auto")
+            config = Config(
+                retries={"total_max_attempts": 1, "mode": "standard"},
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+                max_pool_connections=max(16, 2 * max_concurrency),
+                s3={"addressing_style": style},
+                # Every blob carries a BLAKE3 digest that is verified on read; botocore's CRCs
+                # would hash every byte a second time for nothing.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            )
+            session = boto3.session.Session(profile_name=profile_name, region_name=region_name)
+            client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        self.client: S3Client = client
+        self.endpoint = _redact(self.client.meta.endpoint_url)
+        self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ckpt-s3-part")
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _call(self, action: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one request with retries; translate a final failure into our errors."""
+        try:
+            return call_with_retries(
+                fn,
+                policy=self.retry,
+                is_transient=_is_transient,
+                describe=lambda: f"{action} {self.url}/{key}",
+            )
+        except ObjectStoreError:
+            raise
+        except bexc.ClientError as exc:
+            raise self._client_error(action, key, exc) from exc
+        except bexc.NoCredentialsError as exc:
+            raise StorePermissionError(
+                f"{action} {self.url}/{key}: no AWS credentials found; configure them the "
+                "usual boto3 way (AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ...)"
+            ) from exc
+        except (bexc.BotoCoreError, Urllib3HTTPError, OSError) as exc:
+            raise ObjectStoreError(
+                f"{action} {self.url}/{key} (endpoint {self.endpoint}) failed: "
+                f"{type(exc).__name__}: {exc}; check that the endpoint is reachable"
+            ) from exc
+
+    def _client_error(self, action: str, key: str, exc: bexc.ClientError) -> ObjectStoreError:
+        code = _code(exc)
+        message = exc.response.get("Error", {}).get("Message", "")
+        where = f"{self.url}/{key}"
+        if code == "NoSuchBucket":
+            return ObjectNotFoundError(
+                f"{action} {where}: bucket {self.bucket!r} does not exist at {self.endpoint}; "
+                "create it or fix the store URL"
+            )
+        if code in _NOT_FOUND_CODES:
+            return ObjectNotFoundError(f"object {where} does not exist")
+        if code in _DENIED_CODES:
+            return StorePermissionError(
+                f"{action} {where}: access denied ({code}); check the credentials boto3 finds "
+                "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) and the bucket's policy"
+            )
+        return ObjectStoreError(f"{action} {where} failed: {code}: {message}")
+
+    # -- contract ---------------------------------------------------------------------------
+
+    def put(self, key: str, data: PutData) -> bool:
+        full = self._key(key)
+        parts = as_parts(data)
+        size = parts_size(parts)
+        if size >= self.multipart_threshold:
+            return self._put_multipart(key, full, parts, size)
+        if self._conditional is not False:
+            created = self._put_conditional(key, full, parts, size)
+            if created is not None:
+                return created
+        if self.exists(key):
+            return False
+        self._call("writing", key, lambda: self._put_object(full, parts, size, conditional=False))
+        return True
+
+    def _put_conditional(
+        self, key: str, full: str, parts: list[memoryview], size: int
+    ) -> bool | None:
+        """True/False as ``put``; None if the server does not support conditional writes."""
+        try:
+            self._call("writing", key, lambda: self._put_object(full, parts, size, True))
+        except ObjectStoreError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, bexc.ClientError):
+                if _status(cause) == 412 or _code(cause) == "PreconditionFailed":
+                    return False
+                if self._conditional is None and _rejects_conditional(cause):
+                    with self._conditional_lock:
+                        self._conditional = False
+                    return None
+            raise
+        return True
+
+    def _put_object(
+        self, full: str, parts: Sequence[memoryview], size: int, conditional: bool
+    ) -> None:
+        extra: dict[str, Any] = {"IfNoneMatch": "*"} if conditional else {}
+        self.client.put_object(
+            Bucket=self.bucket, Key=full, Body=_PartsReader(parts), ContentLength=size, **extra
+        )
+
+    def _put_multipart(self, key: str, full: str, parts: list[memoryview], size: int) -> bool:
+        # A HEAD first: for large objects it is far cheaper than uploading and being refused.
+        if self.exists(key):
+            return False
+        upload_id = self._call(
+            "starting multipart upload of",
+            key,
+            lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"],
+        )
+        try:
+            ranges = [(o, min(o + self.part_size, size)) for o in range(0, size, self.part_size)]
+            futures = [
+                self._parts_pool.submit(self._upload_part, key, full, upload_id, n, parts, r)
+                for n, r in enumerate(ranges, start=1)
+            ]
+            etags = [f.result() for f in futures]
+            done = {"Parts": [{"ETag": e, "PartNumber": n} for n, e in enumerate(etags, 1)]}
+            conditional = self._conditional is not False
+            try:
+                self._call(
+                    "completing multipart upload of",
+                    key,
+                    lambda: self.client.complete_multipart_upload(
+                        Bucket=self.bucket,
+                        Key=full,
+                        UploadId=upload_id,
+                        MultipartUpload=done,  # type: ignore[typeddict-item]
+                        **({"IfNoneMatch": "*"} if conditional else {}),
+                    ),
+                )
+            except ObjectStoreError as exc:
+                cause = exc.__cause__
+                if isinstance(cause, bexc.ClientError) and _status(cause) == 412:
+                    self._abort(full, upload_id)
+                    return False
+                raise
+        except BaseException:
+            self._abort(full, upload_id)
+            raise
+        return True
+
+    def _upload_part(
+        self,
+        key: str,
+        full: str,
+        upload_id: str,
+        number: int,
+        parts: Sequence[memoryview],
+        byte_range: tuple[int, int],
+    ) -> str:
+        pieces = _slice_parts(parts, *byte_range)
+        length = byte_range[1] - byte_range[0]
+
+        def send() -> str:
+            response = self.client.upload_part(
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=_PartsReader(pieces),
+                ContentLength=length,
+            )
+            return response["ETag"]
+
+        return self._call(f"uploading part {number} of", key, send)
+
+    def _abort(self, full: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except (bexc.BotoCoreError, bexc.ClientError):
+            # Best effort: an upload left open is invisible and expires by bucket lifecycle.
+            pass
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        full = self._key(key)
+        if byte_range is not None:
+            clip_range(byte_range, 1 << 62)  # validates the range
+            if byte_range[0] == byte_range[1]:
+                self.head(key)
+                return bytearray()
+
+        def fetch() -> bytearray:
+            extra: dict[str, Any] = {}
+            if byte_range is not None:
+                extra["Range"] = f"bytes={byte_range[0]}-{byte_range[1] - 1}"
+            try:
+                response = self.client.get_object(Bucket=self.bucket, Key=full, **extra)
+            except bexc.ClientError as exc:
+                if _code(exc) == "InvalidRange":
+                    return bytearray()
+                raise
+            length = response["ContentLength"]
+            buf = bytearray(length)
+            view = memoryview(buf)
+            body = response["Body"]
+            got = 0
+            try:
+                while got < length:
+                    n = body.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+            finally:
+                body.close()
+            if got != length:
+                raise TruncatedResponseError(
+                    f"reading {self.url}/{key}: got {got} of {length} bytes"
+                )
+            return buf
+
+        return self._call("reading", key, fetch)
+
+    def head(self, key: str) -> ObjectInfo:
+        full = self._key(key)
+        response = self._call(
+            "checking", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full)
+        )
+        return ObjectInfo(
+            key=key, size=response["ContentLength"], mtime=response["LastModified"].timestamp()
+        )
+
+    def delete(self, keys: Iterable[str]) -> None:
+        batch: list[str] = []
+        for key in keys:
+            batch.append(key)
+            if len(batch) == 1000:  # the S3 DeleteObjects limit
+                self._delete_batch(batch)
+                batch = []
+        if batch:
+            self._delete_batch(batch)
+
+    def _delete_batch(self, keys: list[str]) -> None:
+        objects = [{"Key": self._key(k)} for k in keys]
+        response = self._call(
+            "deleting",
+            keys[0],
+            lambda: self.client.delete_objects(
+                Bucket=self.bucket,
+                Delete={"Objects": objects, "Quiet": True},  # type: ignore[typeddict-item]
+            ),
+        )
+        errors = [e for e in response.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+        if errors:
+            first = errors[0]
+            raise ObjectStoreError(
+                f"deleting {len(errors)} objects from {self.url} failed, e.g. "
+                f"{first.get('Key')}: {first.get('Code')}: {first.get('Message')}"
+            )
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        root = f"{self.prefix}/" if self.prefix else ""
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": root + prefix}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(
+                "listing", prefix or "", lambda kw=kwargs: self.client.list_objects_v2(**kw)
+            )
+            for item in page.get("Contents", []):
+                yield ObjectInfo(
+                    key=item["Key"][len(root) :],
+                    size=item["Size"],
+                    mtime=item["LastModified"].timestamp(),
+                )
+            if not page.get("IsTruncated"):
+                return
+            token = page["NextContinuationToken"]
+
+    def close(self) -> None:
+        self._parts_pool.shutdown(wait=True)
+        self.client.close()
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+
+
+class _PartsReader(io.RawIOBase):
+    """A seekable file over a list of buffers, so a body is sent without concatenating it."""
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self._parts = [p for p in parts if p.nbytes]
+        self._size = sum(p.nbytes for p in self._parts)
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def __len__(self) -> int:
+        return self._size
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        written = 0
+        for piece in _slice_parts(self._parts, self._pos, min(self._size, self._pos + len(out))):
+            out[written : written + piece.nbytes] = piece
+            written += piece.nbytes
+        self._pos += written
+        return written
+
+    def read(self, size: int | None = -1) -> bytes:
+        if size is None or size < 0:
+            size = self._size - self._pos
+        pieces = _slice_parts(self._parts, self._pos, min(self._size, self._pos + size))
+        self._pos += sum(p.nbytes for p in pieces)
+        return b"".join(pieces)
+
+
+def _slice_parts(parts: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
+    """Views of bytes ``[start, stop)`` of the concatenation of ``parts`` (no copies)."""
+    out: list[memoryview] = []
+    offset = 0
+    for part in parts:
+        end = offset + part.nbytes
+        if end > start and offset < stop:
+            out.append(part[max(start, offset) - offset : min(stop, end) - offset])
+        offset = end
+        if offset >= stop:
+            break
+    return out
+
+
+def _code(exc: bexc.ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _status(exc: bexc.ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, bexc.ClientError):
+        status = _status(exc)
+        # 501 Not Implemented is a capability answer, never worth retrying.
+        return _code(exc) in _TRANSIENT_CODES or status == 429 or (status >= 500 and status != 501)
+    if isinstance(exc, bexc.ConnectionError | bexc.IncompleteReadError):
+        return True
+    if isinstance(exc, bexc.ResponseStreamingError | TruncatedResponseError):
+        return True
+    return isinstance(exc, Urllib3HTTPError | ConnectionError | TimeoutError)
+
+
+def _rejects_conditional(exc: bexc.ClientError) -> bool:
+    """Whether a failed conditional PUT means the server does not support If-None-Match."""
+    code = _code(exc)
+    return _status(exc) == 501 or code in {"NotImplemented", "InvalidArgument"}
+
+
+def _redact(url: str) -> str:
+    """The endpoint URL without any user:password part."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))

@@ -1,0 +1,137 @@
+"""The object-store contract (DESIGN.md §3).
+
+Keys are ``/``-separated strings relative to the store's root; an object is immutable once
+written. ``put`` is an idempotent create: writing a key that already exists succeeds without
+touching the existing object, which is exactly what content-addressed blobs need. ``list`` exists
+for garbage collection and fsck only; the save and resume paths never list.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from ckptstore.errors import ConfigError, ObjectNotFoundError
+
+#: Anything exposing the buffer protocol as bytes: ``bytes``, ``bytearray``, ``memoryview``.
+BytesLike: TypeAlias = bytes | bytearray | memoryview
+#: ``put`` takes one buffer or a sequence written back to back (a header and a payload, say),
+#: so callers never concatenate large buffers just to store them.
+PutData: TypeAlias = BytesLike | Sequence[BytesLike]
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    """What ``head`` and ``list`` report about one object."""
+
+    key: str
+    size: int
+    #: Seconds since the epoch (UTC) the object was last written, as the store reports it.
+    mtime: float
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise :class:`ConfigError`.
+
+    Keys are restricted to ``[A-Za-z0-9._-]`` segments joined by ``/``; ``.`` and ``..``
+    segments are refused, so no key can name a path outside the store's root.
+    """
+    if not _KEY_RE.match(key) or any(part in (".", "..") for part in key.split("/")):
+        raise ConfigError(
+            f"invalid object key {key!r}: use '/'-separated segments of letters, digits, "
+            "'.', '_' and '-', without '.' or '..' segments"
+        )
+    return key
+
+
+def as_parts(data: PutData) -> list[memoryview]:
+    """Normalise ``put`` data to a list of flat byte memoryviews (no copies)."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        data = [data]
+    return [_flat(part) for part in data]
+
+
+def _flat(buf: BytesLike) -> memoryview:
+    view = memoryview(buf)
+    if view.ndim == 1 and view.format == "B":
+        return view
+    return view.cast("B")
+
+
+def clip_range(byte_range: tuple[int, int] | None, size: int) -> tuple[int, int]:
+    """``[start, stop)`` of ``byte_range`` clipped to an object of ``size`` bytes."""
+    if byte_range is None:
+        return 0, size
+    start, stop = byte_range
+    if start < 0 or stop < start:
+        raise ConfigError(f"invalid byte range [{start}, {stop}): need 0 <= start <= stop")
+    return min(start, size), min(stop, size)
+
+
+def parts_size(parts: Sequence[memoryview]) -> int:
+    return sum(p.nbytes for p in parts)
+
+
+class ObjectStore(abc.ABC):
+    """Abstract base of every backend. Implementations must be safe to use from many threads."""
+
+    #: Rough sustained write throughput in bytes/s. The blob codec compares it with its own
+    #: speed to decide whether compressing saves wall time on this store.
+    write_bandwidth_hint: float = 1.0e9
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's URL, safe to print (never contains credentials)."""
+
+    @abc.abstractmethod
+    def put(self, key: str, data: PutData) -> bool:
+        """Create ``key`` with ``data`` unless it already exists.
+
+        Returns True if this call wrote the object, False if it already existed. The object is
+        either absent or complete, never partially visible.
+        """
+
+    @abc.abstractmethod
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        """Return the object's bytes, or ``[start, stop)`` of them.
+
+        Raises :class:`~ckptstore.errors.ObjectNotFoundError` if the key does not exist. A range
+        that extends past the end is clipped to the object's size.
+        """
+
+    @abc.abstractmethod
+    def head(self, key: str) -> ObjectInfo:
+        """Size and mtime of ``key``; raises ``ObjectNotFoundError`` if it does not exist."""
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.head(key)
+        except ObjectNotFoundError:
+            return False
+        return True
+
+    @abc.abstractmethod
+    def delete(self, keys: Iterable[str]) -> None:
+        """Delete every key in ``keys``, in batches; keys that do not exist are ignored."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (for GC and fsck only)."""
+
+    def close(self) -> None:
+        """Release connections and threads. The store must not be used afterwards."""
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

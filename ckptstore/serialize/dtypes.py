@@ -1,0 +1,69 @@
+"""Names of the element types a checkpoint can hold, and their byte views."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from ckptstore.errors import SerializationError
+
+
+def _probe_torch_dtypes() -> dict[str, torch.dtype]:
+    """Every torch dtype whose storage can be viewed as bytes (quantized types cannot)."""
+    found: dict[str, torch.dtype] = {}
+    for name in dir(torch):
+        value = getattr(torch, name)
+        if not isinstance(value, torch.dtype):
+            continue
+        canonical = str(value).removeprefix("torch.")
+        # Quantized dtypes carry scales beside their storage; a byte view would lose them.
+        if canonical in found or canonical.startswith(("qint", "quint")):
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "complex32 is experimental" and the like
+                torch.empty(1, dtype=value).view(torch.uint8)
+        except (RuntimeError, TypeError):
+            continue
+        found[canonical] = value
+    return found
+
+
+TORCH_DTYPES: dict[str, torch.dtype] = _probe_torch_dtypes()
+_FLOAT_KINDS = "fc"
+
+
+def torch_dtype_name(dtype: torch.dtype, path: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in TORCH_DTYPES:
+        raise SerializationError(f"{path}: tensors of dtype {dtype} cannot be checkpointed")
+    return name
+
+
+def torch_dtype(name: str, where: str) -> torch.dtype:
+    try:
+        return TORCH_DTYPES[name]
+    except (KeyError, TypeError):
+        raise SerializationError(f"{where}: unknown tensor dtype {name!r}") from None
+
+
+def numpy_dtype(name: str, where: str) -> np.dtype[np.generic]:
+    """A plain numpy dtype from its ``dtype.str`` (no objects, no structured records)."""
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise SerializationError(f"{where}: unknown numpy dtype {name!r}") from None
+    if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
+        raise SerializationError(f"{where}: numpy dtype {name!r} is not a plain element type")
+    if dtype.kind not in "biufcmM" or dtype.itemsize == 0:
+        raise SerializationError(f"{where}: numpy dtype {name!r} is not supported")
+    return dtype
+
+
+def is_float_like(dtype: torch.dtype | np.dtype[np.generic]) -> bool:
+    """Whether byte-grouping can help: floats and complex numbers (exponent bytes cluster)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.is_floating_point or dtype.is_complex
+    return dtype.kind in _FLOAT_KINDS
