@@ -34,3 +34,23 @@ class IntegrityError(CkptStoreError):
 
 class SerializationError(CkptStoreError, TypeError):
     """A value cannot be saved or an index cannot be read back; the message names its path."""
+
+
+class DatabaseError(CkptStoreError):
+    """The manifest database failed or cannot be reached."""
+
+
+class SchemaError(DatabaseError):
+    """The manifest database's schema is missing, out of date, or newer than this ckptstore."""
+
+
+class FencedError(CkptStoreError):
+    """A newer writer opened the run; this (stale) writer may not commit."""
+
+
+class CheckpointNotFoundError(CkptStoreError, LookupError):
+    """No committed checkpoint matches the request."""
+
+
+class SaveError(CkptStoreError):
+    """A checkpoint save failed; nothing from it became visible."""

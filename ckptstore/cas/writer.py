@@ -149,6 +149,15 @@ class BlobWriter:
             self._stored.setdefault(digest, ref)
         return ref
 
+    def forget(self) -> None:
+        """Drop the memory of what this writer stored, so the next blobs are checked afresh.
+
+        Called at the start of every save: between saves, garbage collection may have removed
+        a blob that no committed checkpoint kept.
+        """
+        with self._lock:
+            self._stored.clear()
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -96,7 +97,8 @@ class LocalStore(ObjectStore):
                         )
                     got += n
                 return buf
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            # A directory, or a path through a file, is no object (as on S3).
             raise ObjectNotFoundError(f"object {self.url}/{key} does not exist") from exc
         except OSError as exc:
             raise self._error("reading", key, exc) from exc
@@ -104,10 +106,12 @@ class LocalStore(ObjectStore):
     def head(self, key: str) -> ObjectInfo:
         try:
             st = self._path(key).stat()
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, NotADirectoryError) as exc:
             raise ObjectNotFoundError(f"object {self.url}/{key} does not exist") from exc
         except OSError as exc:
             raise self._error("stat of", key, exc) from exc
+        if not stat.S_ISREG(st.st_mode):
+            raise ObjectNotFoundError(f"object {self.url}/{key} does not exist")
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     def delete(self, keys: Iterable[str]) -> None:
@@ -115,8 +119,8 @@ class LocalStore(ObjectStore):
             path = self._path(key)
             try:
                 path.unlink()
-            except FileNotFoundError:
-                continue
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                continue  # not an object: nothing to delete
             except OSError as exc:
                 raise self._error("deleting", key, exc) from exc
 
@@ -189,5 +193,7 @@ def _link_no_replace(src: Path, dst: Path) -> bool:
 
 
 def _unlink_quietly(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    # NotADirectoryError: the temp file was never created because a parent of the key is a
+    # file; the error that brought us here must not be replaced by this one.
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         path.unlink()

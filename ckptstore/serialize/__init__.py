@@ -10,14 +10,23 @@ from ckptstore.serialize.load import (
     load_paths,
     read_index,
 )
-from ckptstore.serialize.save import ComponentResult, tensor_leaf, write_component
+from ckptstore.serialize.save import (
+    ComponentResult,
+    FlatState,
+    flatten_state,
+    tensor_leaf,
+    write_component,
+    write_flat,
+)
 
 __all__ = [
     "ComponentIndex",
     "ComponentResult",
+    "FlatState",
     "Entry",
     "Segment",
     "decode_index",
+    "flatten_state",
     "load_byte_range",
     "load_component",
     "load_entries",
@@ -25,4 +34,5 @@ __all__ = [
     "read_index",
     "tensor_leaf",
     "write_component",
+    "write_flat",
 ]

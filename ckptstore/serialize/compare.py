@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -53,11 +54,8 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 
 def _is_tensordict(value: Any) -> bool:
-    try:
-        from tensordict import TensorDictBase
-    except ImportError:
-        return False
-    return isinstance(value, TensorDictBase)
+    base = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
+    return isinstance(base, type) and isinstance(value, base)
 
 
 def bitwise_equal(a: Any, b: Any) -> bool:

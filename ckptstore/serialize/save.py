@@ -38,12 +38,8 @@ class ComponentResult:
         return sum(b.stored_bytes for b in self.blobs if b.uploaded)
 
 
-def tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
-    """A leaf with a zero-copy byte view of ``tensor`` (after a copy only if it must move).
-
-    GPU tensors are copied to host memory, non-contiguous views are made contiguous; shape and
-    dtype are kept exactly.
-    """
+def check_tensor(tensor: torch.Tensor, path: str) -> str:
+    """The dtype name of ``tensor`` if it can be checkpointed, else ``SerializationError``."""
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):
         raise SerializationError(
             f"{path}: tensors of type {type(tensor).__qualname__} are not plain tensors; "
@@ -53,7 +49,16 @@ def tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
         raise SerializationError(f"{path}: {tensor.layout} tensors are not supported; densify")
     if tensor.device.type == "meta":
         raise SerializationError(f"{path}: a meta tensor has no data to checkpoint")
-    name = torch_dtype_name(tensor.dtype, path)
+    return torch_dtype_name(tensor.dtype, path)
+
+
+def tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
+    """A leaf with a zero-copy byte view of ``tensor`` (after a copy only if it must move).
+
+    GPU tensors are copied to host memory, non-contiguous views are made contiguous; shape and
+    dtype are kept exactly.
+    """
+    name = check_tensor(tensor, path)
     host = tensor.detach()
     if host.device.type != "cpu":
         host = host.cpu()
@@ -79,6 +84,34 @@ class _Plan:
     futures: list[Future[BlobRef]] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class FlatState:
+    """A state flattened into its structure tree and leaves (views of the data to store)."""
+
+    tree: Any
+    leaves: list[Leaf]
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(leaf.data.nbytes for leaf in self.leaves if leaf.data is not None)
+
+
+def flatten_state(
+    state: Any,
+    *,
+    tensor_view: Callable[[torch.Tensor, str], Leaf] = tensor_leaf,
+    copy_arrays: bool = False,
+) -> FlatState:
+    """Flatten ``state``; unsupported values raise ``SerializationError`` naming their path.
+
+    With ``copy_arrays`` numpy arrays and bytearrays are copied (tensors are handled by
+    ``tensor_view``), so the result does not alias the caller's mutable memory.
+    """
+    flat = Flattener(tensor_view, copy_arrays=copy_arrays)
+    tree = flat.flatten(state)
+    return FlatState(tree, flat.leaves)
+
+
 def write_component(
     writer: BlobWriter,
     state: Any,
@@ -90,8 +123,12 @@ def write_component(
     The caller must not mutate ``state``'s tensors until this returns (the checkpointer takes
     a snapshot first).
     """
-    flat = Flattener(tensor_view)
-    tree = flat.flatten(state)
+    return write_flat(writer, flatten_state(state, tensor_view=tensor_view))
+
+
+def write_flat(writer: BlobWriter, flat: FlatState) -> ComponentResult:
+    """Store a flattened state (see :func:`write_component`)."""
+    tree = flat.tree
     plan = _Plan()
     try:
         _submit_all(writer, flat.leaves, plan)

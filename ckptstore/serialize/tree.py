@@ -15,6 +15,7 @@ Tree nodes (JSON)::
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,11 +33,11 @@ ARRAY_KINDS = frozenset({"tensor", "ndarray", "npscalar", "bytes", "bytearray"})
 
 
 def _tensordict_types() -> tuple[type, ...]:
-    try:
-        from tensordict import TensorDictBase
-    except ImportError:
-        return ()
-    return (TensorDictBase,)
+    # A state can only hold a TensorDict if tensordict is already imported; importing it
+    # here would cost a second on the first (blocking) snapshot for nothing.
+    module = sys.modules.get("tensordict")
+    base = getattr(module, "TensorDictBase", None)
+    return (base,) if isinstance(base, type) else ()
 
 
 @dataclass(slots=True)
@@ -67,8 +68,11 @@ def join(prefix: str, key: str | int) -> str:
 class Flattener:
     """Walks a state once; ``leaves`` and the returned tree describe it completely."""
 
-    def __init__(self, tensor_view: Callable[[torch.Tensor, str], Leaf]) -> None:
+    def __init__(
+        self, tensor_view: Callable[[torch.Tensor, str], Leaf], *, copy_arrays: bool = False
+    ) -> None:
         self.leaves: list[Leaf] = []
+        self._copy = copy_arrays
         self._paths: set[str] = set()
         self._active: set[int] = set()
         self._tensor_view = tensor_view
@@ -80,11 +84,13 @@ class Flattener:
         if isinstance(value, torch.Tensor):
             return self._leaf(self._tensor_view(value, path or "<root>"))
         if isinstance(value, np.ndarray | np.generic):
-            return self._leaf(_numpy_leaf(value, path or "<root>"))
+            return self._leaf(_numpy_leaf(value, path or "<root>", copy=self._copy))
         if value is None or isinstance(value, bool | int | float | str):
             return self._leaf(Leaf(path, "json", value=value))
         if isinstance(value, bytes | bytearray):
             kind = "bytes" if isinstance(value, bytes) else "bytearray"
+            if self._copy and kind == "bytearray":
+                value = bytearray(value)
             view = memoryview(value)
             return self._leaf(Leaf(path, kind, "uint8", (len(value),), view, owner=value))
         if isinstance(value, torch.dtype):
@@ -147,10 +153,10 @@ class Flattener:
         return {"e": len(self.leaves) - 1}
 
 
-def _numpy_leaf(value: np.ndarray | np.generic, path: str) -> Leaf:
+def _numpy_leaf(value: np.ndarray | np.generic, path: str, *, copy: bool) -> Leaf:
     kind = "npscalar" if isinstance(value, np.generic) else "ndarray"
     array = np.asarray(value)  # keeps 0-d arrays 0-d, unlike ascontiguousarray
-    if not array.flags.c_contiguous:
+    if copy or not array.flags.c_contiguous:
         array = array.copy(order="C")
     dtype = numpy_dtype(array.dtype.str, path)
     data = memoryview(array.reshape(-1).view(np.uint8).data) if array.size else memoryview(b"")

@@ -1,0 +1,168 @@
+"""SQLAlchemy models of the manifest database (DESIGN.md §6).
+
+Every constraint has a name (so migrations can refer to it on every dialect), enums are CHECK
+constraints, and times are timezone-aware UTC.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import enum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    func,
+    true,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Status(enum.StrEnum):
+    PENDING = "pending"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    CORRUPT = "corrupt"
+    DELETED = "deleted"
+
+
+class Trigger(enum.StrEnum):
+    PERIOD = "period"
+    LAST = "last"
+    TIMEOUT = "timeout"
+    MANUAL = "manual"
+
+
+class BlobState(enum.StrEnum):
+    LIVE = "live"
+    CONDEMNED = "condemned"
+
+
+def _in(column: str, values: type[enum.StrEnum]) -> str:
+    # Quoted: "trigger" is a keyword in SQL.
+    return f'"{column}" IN ({", ".join(repr(v.value) for v in values)})'
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, dt.datetime: DateTime(timezone=True)}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+    config: Mapped[dict[str, Any] | None]
+    config_fingerprint: Mapped[str | None] = mapped_column(String(64))
+    #: The checkpoint this run was forked from (lineage); None for a fresh run.
+    parent_checkpoint_id: Mapped[int | None] = mapped_column(
+        ForeignKey("checkpoints.id", use_alter=True, ondelete="SET NULL")
+    )
+    #: Bumped by every writer that opens the run; only the newest writer may commit.
+    writer_epoch: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    #: Metric that retention ranks by and the run summary reports as "best".
+    metric_name: Mapped[str | None] = mapped_column(String(255))
+    higher_is_better: Mapped[bool] = mapped_column(default=True, server_default=true())
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+    __table_args__ = (
+        CheckConstraint(_in("status", Status), name="status"),
+        CheckConstraint(_in("trigger", Trigger), name="trigger"),
+        Index("ix_checkpoints_run_status_step", "run_id", "status", "step"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(BigInteger)
+    status: Mapped[str] = mapped_column(String(16), default=Status.PENDING)
+    writer_epoch: Mapped[int] = mapped_column(Integer)
+    trigger: Mapped[str] = mapped_column(String(16), default=Trigger.MANUAL)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+    committed_at: Mapped[dt.datetime | None]
+    training_info: Mapped[dict[str, Any] | None]
+    metrics: Mapped[dict[str, Any] | None]
+    logical_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    uploaded_bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    save_seconds: Mapped[float | None] = mapped_column(Float)
+    blocked_seconds: Mapped[float | None] = mapped_column(Float)
+    #: Why the save failed or the checkpoint was marked corrupt.
+    error: Mapped[str | None] = mapped_column(Text)
+
+
+class Component(Base):
+    __tablename__ = "components"
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), default="state")
+    index_digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"))
+    logical_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    entries: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class Blob(Base):
+    __tablename__ = "blobs"
+    __table_args__ = (
+        CheckConstraint(_in("state", BlobState), name="state"),
+        Index("ix_blobs_state_last_claimed_at", "state", "last_claimed_at"),
+    )
+
+    digest: Mapped[str] = mapped_column(String(67), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(8))
+    logical_bytes: Mapped[int] = mapped_column(BigInteger)
+    stored_bytes: Mapped[int] = mapped_column(BigInteger)
+    codec: Mapped[str | None] = mapped_column(String(8))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
+    last_claimed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    state: Mapped[str] = mapped_column(String(16), default=BlobState.LIVE)
+
+
+class CheckpointBlob(Base):
+    __tablename__ = "checkpoint_blobs"
+    __table_args__ = (Index("ix_checkpoint_blobs_digest", "digest"),)
+
+    checkpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
+    )
+    digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True)
+
+
+class GcLease(Base):
+    """One row while a garbage collection runs: only one GC at a time."""
+
+    __tablename__ = "gc_lease"
+    __table_args__ = (CheckConstraint("id = 1", name="singleton"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    expires_at: Mapped[dt.datetime]
