@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ckptstore.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
 from ckptstore.objectstore.base import (
+    TMP_PREFIX,
     ObjectInfo,
     ObjectStore,
     PutData,
@@ -24,8 +25,6 @@ from ckptstore.objectstore.base import (
     check_key,
     clip_range,
 )
-
-_TMP_PREFIX = ".tmp-"
 
 
 class LocalStore(ObjectStore):
@@ -59,10 +58,16 @@ class LocalStore(ObjectStore):
     def put(self, key: str, data: PutData) -> bool:
         path = self._path(key)
         if path.exists():
+            if path.is_dir():
+                # Reporting "already exists" here would lose the caller's data silently.
+                raise ObjectStoreError(
+                    f"writing {self.url}/{key} failed: a directory of that name holds other "
+                    "objects; in a local store a key cannot also be a prefix of other keys"
+                )
             return False
         parts = as_parts(data)
         self._makedirs(path.parent)
-        tmp = path.parent / f"{_TMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
+        tmp = path.parent / f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -136,7 +141,7 @@ class LocalStore(ObjectStore):
             dirnames.sort()
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in sorted(filenames):
-                if name.startswith(_TMP_PREFIX):
+                if name.startswith(TMP_PREFIX):
                     continue
                 key = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
                 if not key.startswith(prefix):

@@ -43,8 +43,12 @@ def call_with_retries(
     policy: RetryPolicy,
     is_transient: Callable[[BaseException], bool],
     describe: Callable[[], str],
+    redact: Callable[[str], str] = str,
 ) -> T:
-    """Call ``fn`` until it succeeds, a fault is not transient, or attempts run out."""
+    """Call ``fn`` until it succeeds, a fault is not transient, or attempts run out.
+
+    ``redact`` cleans a fault's text before it is logged (e.g. of credentials in a URL).
+    """
     attempt = 1
     while True:
         try:
@@ -57,7 +61,7 @@ def call_with_retries(
                 "%s: transient fault (%s: %s), attempt %d/%d, retrying in %.2fs",
                 describe(),
                 type(exc).__name__,
-                exc,
+                redact(str(exc)),
                 attempt,
                 policy.max_attempts,
                 pause,

@@ -7,12 +7,14 @@ module never stores or prints them. botocore's own retries are turned off so tha
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
@@ -57,6 +59,7 @@ _TRANSIENT_CODES = frozenset(
         "OperationAborted",
     }
 )
+_USERINFO_RE = re.compile(r"(?<=://)[^/@\s\"']+@")
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _DENIED_CODES = frozenset(
     {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
@@ -139,7 +142,7 @@ class S3Store(ObjectStore):
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
                 max_pool_connections=max(16, 2 * max_concurrency),
-                s3={"addressing_style": style},
+                s3=cast(Any, {"addressing_style": style}),
                 # Every blob carries a BLAKE3 digest that is verified on read; botocore's CRCs
                 # would hash every byte a second time for nothing.
                 request_checksum_calculation="when_required",
@@ -169,6 +172,7 @@ class S3Store(ObjectStore):
                 policy=self.retry,
                 is_transient=_is_transient,
                 describe=lambda: f"{action} {self.url}/{key}",
+                redact=_strip_userinfo,
             )
         except ObjectStoreError:
             raise
@@ -182,7 +186,8 @@ class S3Store(ObjectStore):
         except (bexc.BotoCoreError, Urllib3HTTPError, OSError) as exc:
             raise ObjectStoreError(
                 f"{action} {self.url}/{key} (endpoint {self.endpoint}) failed: "
-                f"{type(exc).__name__}: {exc}; check that the endpoint is reachable"
+                f"{type(exc).__name__}: {_strip_userinfo(str(exc))}; "
+                "check that the endpoint is reachable"
             ) from exc
 
     def _client_error(self, action: str, key: str, exc: bexc.ClientError) -> ObjectStoreError:
@@ -243,7 +248,11 @@ class S3Store(ObjectStore):
     ) -> None:
         extra: dict[str, Any] = {"IfNoneMatch": "*"} if conditional else {}
         self.client.put_object(
-            Bucket=self.bucket, Key=full, Body=_PartsReader(parts), ContentLength=size, **extra
+            Bucket=self.bucket,
+            Key=full,
+            Body=cast(Any, _PartsReader(parts)),
+            ContentLength=size,
+            **extra,
         )
 
     def _put_multipart(self, key: str, full: str, parts: list[memoryview], size: int) -> bool:
@@ -262,19 +271,21 @@ class S3Store(ObjectStore):
                 for n, r in enumerate(ranges, start=1)
             ]
             etags = [f.result() for f in futures]
-            done = {"Parts": [{"ETag": e, "PartNumber": n} for n, e in enumerate(etags, 1)]}
-            conditional = self._conditional is not False
+            complete: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": full,
+                "UploadId": upload_id,
+                "MultipartUpload": {
+                    "Parts": [{"ETag": e, "PartNumber": n} for n, e in enumerate(etags, 1)]
+                },
+            }
+            if self._conditional is not False:
+                complete["IfNoneMatch"] = "*"
             try:
                 self._call(
                     "completing multipart upload of",
                     key,
-                    lambda: self.client.complete_multipart_upload(
-                        Bucket=self.bucket,
-                        Key=full,
-                        UploadId=upload_id,
-                        MultipartUpload=done,  # type: ignore[typeddict-item]
-                        **({"IfNoneMatch": "*"} if conditional else {}),
-                    ),
+                    lambda: self.client.complete_multipart_upload(**complete),
                 )
             except ObjectStoreError as exc:
                 cause = exc.__cause__
@@ -305,7 +316,7 @@ class S3Store(ObjectStore):
                 Key=full,
                 UploadId=upload_id,
                 PartNumber=number,
-                Body=_PartsReader(pieces),
+                Body=cast(Any, _PartsReader(pieces)),
                 ContentLength=length,
             )
             return response["ETag"]
@@ -313,11 +324,9 @@ class S3Store(ObjectStore):
         return self._call(f"uploading part {number} of", key, send)
 
     def _abort(self, full: str, upload_id: str) -> None:
-        try:
+        # Best effort: an upload left open is invisible and expires by bucket lifecycle.
+        with contextlib.suppress(bexc.BotoCoreError, bexc.ClientError):
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-        except (bexc.BotoCoreError, bexc.ClientError):
-            # Best effort: an upload left open is invisible and expires by bucket lifecycle.
-            pass
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
         full = self._key(key)
@@ -344,7 +353,7 @@ class S3Store(ObjectStore):
             got = 0
             try:
                 while got < length:
-                    n = body.readinto(view[got:])
+                    n = body.readinto(cast(Any, view[got:]))
                     if not n:
                         break
                     got += n
@@ -402,9 +411,7 @@ class S3Store(ObjectStore):
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": root + prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self._call(
-                "listing", prefix or "", lambda kw=kwargs: self.client.list_objects_v2(**kw)
-            )
+            page = self._list_page(prefix, kwargs)
             for item in page.get("Contents", []):
                 yield ObjectInfo(
                     key=item["Key"][len(root) :],
@@ -414,6 +421,9 @@ class S3Store(ObjectStore):
             if not page.get("IsTruncated"):
                 return
             token = page["NextContinuationToken"]
+
+    def _list_page(self, prefix: str, kwargs: dict[str, Any]) -> Any:
+        return self._call("listing", prefix or "", lambda: self.client.list_objects_v2(**kwargs))
 
     def close(self) -> None:
         self._parts_pool.shutdown(wait=True)
@@ -494,7 +504,9 @@ def _is_transient(exc: BaseException) -> bool:
         return _code(exc) in _TRANSIENT_CODES or status == 429 or (status >= 500 and status != 501)
     if isinstance(exc, bexc.ConnectionError | bexc.IncompleteReadError):
         return True
-    if isinstance(exc, bexc.ResponseStreamingError | TruncatedResponseError):
+    # HTTPClientError covers ConnectionClosedError (a reset before the answer), read timeouts
+    # and a body cut short (ResponseStreamingError).
+    if isinstance(exc, bexc.HTTPClientError | TruncatedResponseError):
         return True
     return isinstance(exc, Urllib3HTTPError | ConnectionError | TimeoutError)
 
@@ -503,6 +515,11 @@ def _rejects_conditional(exc: bexc.ClientError) -> bool:
     """Whether a failed conditional PUT means the server does not support If-None-Match."""
     code = _code(exc)
     return _status(exc) == 501 or code in {"NotImplemented", "InvalidArgument"}
+
+
+def _strip_userinfo(text: str) -> str:
+    """``text`` with the ``user:password@`` part of every URL in it removed."""
+    return _USERINFO_RE.sub("", text)
 
 
 def _redact(url: str) -> str:

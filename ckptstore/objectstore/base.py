@@ -22,6 +22,8 @@ BytesLike: TypeAlias = bytes | bytearray | memoryview
 #: so callers never concatenate large buffers just to store them.
 PutData: TypeAlias = BytesLike | Sequence[BytesLike]
 
+#: Segments starting with this are reserved for temporary files of an object being written.
+TMP_PREFIX = ".tmp-"
 _KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
 
@@ -39,12 +41,14 @@ def check_key(key: str) -> str:
     """Return ``key`` if it is a safe relative key, else raise :class:`ConfigError`.
 
     Keys are restricted to ``[A-Za-z0-9._-]`` segments joined by ``/``; ``.`` and ``..``
-    segments are refused, so no key can name a path outside the store's root.
+    segments are refused, so no key can name a path outside the store's root, and so are
+    segments starting with ``.tmp-`` (the local store's in-progress files).
     """
-    if not _KEY_RE.match(key) or any(part in (".", "..") for part in key.split("/")):
+    parts = key.split("/") if _KEY_RE.match(key) else []
+    if not parts or any(p in (".", "..") or p.startswith(TMP_PREFIX) for p in parts):
         raise ConfigError(
             f"invalid object key {key!r}: use '/'-separated segments of letters, digits, "
-            "'.', '_' and '-', without '.' or '..' segments"
+            f"'.', '_' and '-', without '.', '..' or '{TMP_PREFIX}*' segments"
         )
     return key
 
@@ -124,7 +128,7 @@ class ObjectStore(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (for GC and fsck only)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a store without resources needs no close
         """Release connections and threads. The store must not be used afterwards."""
 
     def __enter__(self) -> ObjectStore:
