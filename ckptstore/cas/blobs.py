@@ -98,6 +98,11 @@ def get_blob(store: ObjectStore, digest: str, *, context: str = "") -> tuple[Hea
     where = f"blob {store.url}/{key}" + (f" ({context})" if context else "")
     try:
         data = store.get(key)
+        return decode_object(memoryview(data), digest, where)
     except ObjectNotFoundError as exc:
-        raise MissingBlobError(f"{where} is missing from the store") from exc
-    return decode_object(memoryview(data), digest, where)
+        missing = MissingBlobError(f"{where} is missing from the store")
+        missing.digest = digest
+        raise missing from exc
+    except IntegrityError as exc:
+        exc.digest = digest
+        raise

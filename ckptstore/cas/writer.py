@@ -100,7 +100,7 @@ class BlobWriter:
         self._budget = _ByteBudget(self.options.max_inflight_bytes)
         self._pool = ThreadPoolExecutor(self.options.workers(), thread_name_prefix="ckpt-blob")
         self._lock = threading.Lock()
-        self._stored: dict[str, BlobRef] = {}
+        self._stored: dict[str, Future[BlobRef]] = {}
 
     def submit(
         self,
@@ -129,24 +129,35 @@ class BlobWriter:
         self, raw: memoryview, kind: Kind, itemsize: int, float_like: bool, _keepalive: object
     ) -> BlobRef:
         digest = digest_bytes(raw)
+        # The first task with a digest stores it; identical blobs (in flight at the same time
+        # or later in this save) wait for that one and report "not uploaded".
         with self._lock:
-            seen = self._stored.get(digest)
-        if seen is not None:
+            first = self._stored.get(digest)
+            if first is None:
+                mine: Future[BlobRef] = Future()
+                self._stored[digest] = mine
+        if first is not None:
+            seen = first.result()
             return BlobRef(digest, kind, seen.codec, raw.nbytes, seen.stored_bytes, uploaded=False)
-        if self._known is not None and self._known(digest):
-            ref = BlobRef(digest, kind, None, raw.nbytes, 0, uploaded=False)
-        else:
-            ref = put_blob(
-                self.store,
-                raw,
-                kind,
-                itemsize=itemsize,
-                float_like=float_like,
-                threshold=self._threshold,
-                digest=digest,
-            )
-        with self._lock:
-            self._stored.setdefault(digest, ref)
+        try:
+            if self._known is not None and self._known(digest):
+                ref = BlobRef(digest, kind, None, raw.nbytes, 0, uploaded=False)
+            else:
+                ref = put_blob(
+                    self.store,
+                    raw,
+                    kind,
+                    itemsize=itemsize,
+                    float_like=float_like,
+                    threshold=self._threshold,
+                    digest=digest,
+                )
+        except BaseException as exc:
+            with self._lock:
+                self._stored.pop(digest, None)  # let a later attempt try again
+            mine.set_exception(exc)
+            raise
+        mine.set_result(ref)
         return ref
 
     def forget(self) -> None:

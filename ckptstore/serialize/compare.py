@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import struct
 import sys
 from typing import Any
 
 import numpy as np
 import torch
 
+from ckptstore.serialize.dtypes import byte_view
 from ckptstore.serialize.tree import join
 
 
 def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return byte_view(t.detach().cpu().resolve_conj().resolve_neg())
 
 
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
@@ -35,8 +37,8 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
             return f"{where}: keys {list(a.keys())} != {list(b.keys())}"
         if _is_tensordict(a) and a.batch_size != b.batch_size:
             return f"{where}: batch_size {a.batch_size} != {b.batch_size}"
-        for key in a:
-            diff = first_difference(a.get(key), b.get(key), join(path, key))
+        for key in a.keys():  # noqa: SIM118 - iterating a TensorDict walks its batch dim
+            diff = first_difference(_plain(a.get(key)), _plain(b.get(key)), join(path, key))
             if diff:
                 return diff
         return None
@@ -48,9 +50,20 @@ def first_difference(a: Any, b: Any, path: str = "") -> str | None:
             if diff:
                 return diff
         return None
-    if isinstance(a, float) and a != a and b != b:
-        return None  # NaN == NaN for our purposes: same value stored and restored
+    if isinstance(a, float):
+        # Bitwise: -0.0 differs from 0.0, and NaN equals the same NaN.
+        same = struct.pack("<d", a) == struct.pack("<d", b)
+        return None if same else f"{where}: {a!r} != {b!r}"
     return None if a == b else f"{where}: {a!r} != {b!r}"
+
+
+def _plain(value: Any) -> Any:
+    """A TensorDict's non-tensor leaf as its Python value."""
+    module = sys.modules.get("tensordict")
+    is_non_tensor = getattr(module, "is_non_tensor", None)
+    if is_non_tensor is not None and is_non_tensor(value):
+        return value.data
+    return value
 
 
 def _is_tensordict(value: Any) -> bool:

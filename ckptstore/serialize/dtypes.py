@@ -62,6 +62,32 @@ def numpy_dtype(name: str, where: str) -> np.dtype[np.generic]:
     return dtype
 
 
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with a plain row-major layout (a copy only if it has another layout).
+
+    Handles what ``contiguous()`` alone does not: one-element views with odd strides (which
+    count as contiguous but cannot be viewed as bytes), and dtypes without copy kernels
+    (the sub-byte placeholders), copied through a same-sized integer view.
+    """
+    if tensor.is_contiguous() and (tensor.dim() == 0 or tensor.stride(-1) == 1):
+        return tensor
+    try:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    except (NotImplementedError, RuntimeError):
+        carrier = _SAME_SIZE_INT.get(tensor.element_size())
+        if carrier is None:
+            raise
+        return tensor.view(carrier).clone(memory_format=torch.contiguous_format).view(tensor.dtype)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a CPU ``tensor`` as a flat uint8 tensor (no copy when already dense)."""
+    return dense(tensor).reshape(-1).view(torch.uint8)
+
+
 def is_float_like(dtype: torch.dtype | np.dtype[np.generic]) -> bool:
     """Whether byte-grouping can help: floats and complex numbers (exponent bytes cluster)."""
     if isinstance(dtype, torch.dtype):

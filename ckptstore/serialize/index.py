@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.cas.digest import check_digest
+from ckptstore.cas.header import MAX_RAW_LEN
 from ckptstore.errors import CkptStoreError, SerializationError
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.tree import ARRAY_KINDS
@@ -167,6 +168,8 @@ def _segment(raw: Any, where: str) -> Segment:
         digest = check_digest(raw[0])
     except CkptStoreError as exc:
         raise SerializationError(f"{where}: {exc}") from exc
-    return Segment(
-        digest, _int(raw[1], "segment offset", where), _int(raw[2], "segment length", where, 1)
-    )
+    offset = _int(raw[1], "segment offset", where)
+    length = _int(raw[2], "segment length", where, 1)
+    if offset + length > MAX_RAW_LEN:
+        raise SerializationError(f"{where}: segment [{offset}, +{length}) exceeds any blob")
+    return Segment(digest, offset, length)

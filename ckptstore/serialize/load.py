@@ -9,6 +9,7 @@ is exactly one raw blob becomes a view of the fetched buffer (no copy).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,21 +56,42 @@ class _Assembler:
     def __init__(self, entries: list[Entry]) -> None:
         self.entries = entries
         self.buffers: list[Any] = [None] * len(entries)
+        self._lock = threading.Lock()
 
     def place(self, digest: str, raw: memoryview, targets: list[_Target], where: str) -> None:
+        """Copy (or hand over) one verified blob's bytes to every entry segment it holds.
+
+        Called from several threads at once; segments of one entry never overlap, so only
+        the allocation of an entry's buffer needs the lock.
+        """
+        for t in targets:
+            if t.offset + t.length > raw.nbytes:
+                path = self.entries[t.entry].path
+                raise IntegrityError(f"{where}: entry {path!r} points past the end of the blob")
+        handed_over = False
         for t in targets:
             entry = self.entries[t.entry]
-            if t.offset + t.length > raw.nbytes:
-                raise IntegrityError(
-                    f"{where}: entry {entry.path!r} points past the end of blob {digest}"
-                )
             whole = t.offset == 0 and t.length == raw.nbytes == entry.nbytes
-            if whole and not raw.readonly:
+            if whole and not raw.readonly and not handed_over:
+                # The blob's buffer becomes the tensor's memory: no copy. Only once, so two
+                # equal tensors never share memory.
                 self.buffers[t.entry] = raw
+                handed_over = True
                 continue
-            if self.buffers[t.entry] is None:
-                self.buffers[t.entry] = memoryview(bytearray(entry.nbytes))
+            with self._lock:
+                if self.buffers[t.entry] is None:
+                    self.buffers[t.entry] = memoryview(_allocate(entry.nbytes, where))
             self.buffers[t.entry][t.dest : t.dest + t.length] = raw[t.offset : t.offset + t.length]
+
+
+def _allocate(nbytes: int, where: str) -> bytearray:
+    try:
+        return bytearray(nbytes)
+    except MemoryError:
+        raise IntegrityError(
+            f"{where}: cannot allocate {nbytes} bytes for an entry (a corrupt index, or too "
+            "little memory)"
+        ) from None
 
 
 def _materialize(entry: Entry, buffer: memoryview | None, where: str) -> Any:
@@ -77,7 +99,7 @@ def _materialize(entry: Entry, buffer: memoryview | None, where: str) -> Any:
         if entry.kind == "dtype":
             return torch_dtype(entry.value, where)
         return entry.value
-    data = buffer if buffer is not None else memoryview(bytearray(entry.nbytes))
+    data = buffer if buffer is not None else memoryview(_allocate(entry.nbytes, where))
     if entry.kind == "bytes":
         return bytes(data)
     if entry.kind == "bytearray":

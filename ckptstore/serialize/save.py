@@ -14,7 +14,7 @@ from ckptstore.cas.header import Kind
 from ckptstore.cas.pack import PackBuilder
 from ckptstore.cas.writer import BlobWriter
 from ckptstore.errors import SerializationError
-from ckptstore.serialize.dtypes import is_float_like, torch_dtype_name
+from ckptstore.serialize.dtypes import byte_view, dense, is_float_like, torch_dtype_name
 from ckptstore.serialize.index import ComponentIndex, Entry, Segment
 from ckptstore.serialize.tree import Flattener, Leaf
 
@@ -62,8 +62,8 @@ def tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
     host = tensor.detach()
     if host.device.type != "cpu":
         host = host.cpu()
-    host = host.resolve_conj().resolve_neg().contiguous()
-    data = memoryview(host.reshape(-1).view(torch.uint8).numpy().data) if host.numel() else None
+    host = dense(host.resolve_conj().resolve_neg())
+    data = memoryview(byte_view(host).numpy().data) if host.numel() else None
     return Leaf(
         path,
         "tensor",
@@ -108,7 +108,10 @@ def flatten_state(
     ``tensor_view``), so the result does not alias the caller's mutable memory.
     """
     flat = Flattener(tensor_view, copy_arrays=copy_arrays)
-    tree = flat.flatten(state)
+    try:
+        tree = flat.flatten(state)
+    except RecursionError:
+        raise SerializationError("the state is nested too deeply to checkpoint") from None
     return FlatState(tree, flat.leaves)
 
 
@@ -141,7 +144,8 @@ def write_flat(writer: BlobWriter, flat: FlatState) -> ComponentResult:
         resolved = []
         for future, offset, length in segs:
             ref = future.result()
-            refs.setdefault(ref.digest, ref)
+            if ref.digest not in refs or ref.uploaded:
+                refs[ref.digest] = ref
             resolved.append(Segment(ref.digest, offset, length))
         entries.append(_entry(leaf, tuple(resolved)))
     index = ComponentIndex(tree=tree, entries=tuple(entries))

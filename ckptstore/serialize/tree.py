@@ -27,7 +27,8 @@ import torch
 from ckptstore.errors import SerializationError
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype_name
 
-MAX_DEPTH = 256
+#: Deeper structures are refused (and Python's recursion limit stays far away).
+MAX_DEPTH = 100
 #: Kinds of entries: array-like ones own bytes in blobs; the rest are JSON values.
 ARRAY_KINDS = frozenset({"tensor", "ndarray", "npscalar", "bytes", "bytearray"})
 
@@ -57,8 +58,9 @@ class Leaf:
 
 
 def escape_key(key: str | int) -> str:
+    """A key as one path segment: ``%`` and ``/`` escaped, the empty key written ``%00``."""
     text = str(key)
-    return text.replace("%", "%25").replace("/", "%2F")
+    return text.replace("%", "%25").replace("/", "%2F") if text else "%00"
 
 
 def join(prefix: str, key: str | int) -> str:
@@ -134,7 +136,7 @@ class Flattener:
         from tensordict import is_non_tensor
 
         items = []
-        for key in td:
+        for key in td.keys():  # noqa: SIM118 - iterating a TensorDict walks its batch dim
             sub = td.get(key)
             if is_non_tensor(sub):
                 items.append([key, {"nt": self.flatten(sub.data, join(path, key), depth + 1)}])
@@ -202,7 +204,18 @@ def _rebuild_tensordict(body: Any, entries: list[Any], where: str, depth: int) -
 
     if not isinstance(body, dict) or set(body) != {"b", "i"}:
         raise SerializationError(f"{where}: malformed TensorDict node")
-    td = TensorDict({}, batch_size=rebuild({"S": body["b"]}, entries, where, depth + 1))
+    try:
+        return _fill_tensordict(TensorDict, body, entries, where, depth)
+    except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+        if isinstance(exc, SerializationError):
+            raise
+        raise SerializationError(f"{where}: invalid TensorDict node: {exc}") from exc
+
+
+def _fill_tensordict(
+    cls: Any, body: dict[str, Any], entries: list[Any], where: str, depth: int
+) -> Any:
+    td = cls({}, batch_size=rebuild({"S": body["b"]}, entries, where, depth + 1))
     for pair in _list(body["i"], where):
         if (
             isinstance(pair, list)
