@@ -29,7 +29,12 @@ class StorePermissionError(ObjectStoreError, PermissionError):
 
 
 class IntegrityError(CkptStoreError):
-    """Stored bytes do not match their recorded digest, length or format."""
+    """Stored bytes do not match their recorded digest, length or format.
+
+    ``digest`` names the damaged or missing blob when one is known.
+    """
+
+    digest: str | None = None
 
 
 class SerializationError(CkptStoreError, TypeError):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -535,7 +536,7 @@ class Run:
                 state[comp.name] = load_component(self.store, comp.index_digest, context=context)
         return state
 
-    def _mark_corrupt(self, checkpoint_id: int, step: int, exc: BaseException) -> None:
+    def _mark_corrupt(self, checkpoint_id: int, step: int, exc: IntegrityError) -> None:
         log.error(
             "CHECKPOINT CORRUPT: run %r step %d failed verification (%s); it is marked corrupt "
             "and the previous committed checkpoint is used instead",
@@ -543,13 +544,36 @@ class Run:
             step,
             exc,
         )
+        digest = exc.digest
+        if digest is not None:
+            self._quarantine(digest)
+
+        def transaction(session: Session) -> None:
+            q.mark(session, checkpoint_id, Status.CORRUPT, str(exc))
+            if digest is not None:
+                q.condemn_blob(session, digest)
+
         try:
-            self.db.write(
-                lambda s: q.mark(s, checkpoint_id, Status.CORRUPT, str(exc)),
-                what="marking a corrupt checkpoint",
-            )
+            self.db.write(transaction, what="marking a corrupt checkpoint")
         except Exception:
             log.exception("could not mark checkpoint %d corrupt", checkpoint_id)
+
+    def _quarantine(self, digest: str) -> None:
+        """Move a damaged blob aside so that the next save which needs it uploads good bytes
+        (an existing key is never overwritten); the damaged copy stays for inspection."""
+        key = blob_key(digest)
+        try:
+            damaged = self.store.get(key)
+        except ObjectNotFoundError:
+            return
+        except CkptStoreError:
+            log.exception("could not read damaged blob %s to quarantine it", key)
+            return
+        try:
+            self.store.put(f"quarantine/{digest[3:]}-{int(time.time())}", damaged)
+            self.store.delete([key])
+        except CkptStoreError:
+            log.exception("could not quarantine damaged blob %s", key)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -590,22 +614,33 @@ class Run:
             self.close()
         except Exception as flush_error:
             # Never mask the exception already propagating; attach the flush failure to it.
-            log.error("while handling %r, the pending checkpoint save failed too", exc)
+            log.exception("while handling %r, the pending checkpoint save failed too", exc)
             exc.add_note(f"ckptstore: the pending checkpoint save also failed: {flush_error!r}")
             if flush_error.__cause__ is not None:
                 exc.add_note(f"ckptstore: caused by {flush_error.__cause__!r}")
 
 
 def _plain_json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any] | None:
+    """A JSON copy of ``value`` for the database; NaN and infinities become null (a diverged
+    metric must not stop a checkpoint, and SQL JSON has no NaN)."""
     if value is None:
         return None
     try:
-        return dict(json.loads(json.dumps(dict(value), allow_nan=False)))
+        return dict(json.loads(json.dumps(_finite(dict(value)), allow_nan=False)))
     except (TypeError, ValueError) as exc:
         raise ConfigError(
-            f"{what} must be JSON-serializable with finite numbers (it is stored in the "
-            f"manifest database): {exc}"
+            f"{what} must be JSON-serializable (it is stored in the manifest database): {exc}"
         ) from exc
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _parse_fork(fork_from: str | tuple[str, int]) -> tuple[str, int]:

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import logging
 import random
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from importlib import resources
@@ -22,6 +23,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
@@ -82,6 +84,22 @@ def head_revision() -> str:
     return head
 
 
+def _enable_wal(cursor: Any) -> None:
+    """Switch a new database file to WAL. The switch upgrades a read lock, where SQLite skips
+    its busy handler, so contention from another process starting up is retried here."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc):
+                raise
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(random.uniform(0.01, 0.1))
+
+
 def _is_contention(exc: BaseException) -> bool:
     if not isinstance(exc, DBAPIError):
         return False
@@ -106,7 +124,11 @@ class Database:
             self.engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False
         )
         if check_schema:
-            self.ensure_schema()
+            try:
+                self.ensure_schema()
+            except BaseException:
+                self.engine.dispose()
+                raise
 
     @property
     def is_sqlite(self) -> bool:
@@ -125,9 +147,9 @@ class Database:
             # Let SQLAlchemy's "begin" event issue BEGIN, so writes can ask for IMMEDIATE.
             dbapi_conn.isolation_level = None
             cursor = dbapi_conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA foreign_keys=ON")
             cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            _enable_wal(cursor)
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.close()
 
@@ -182,8 +204,19 @@ class Database:
     def upgrade(self, revision: str = "head") -> tuple[str | None, str | None]:
         """Migrate to ``revision``; returns (before, after)."""
         before = self.current_revision()
-        with self._migration_lock():
-            self._upgrade(revision)
+        known = {
+            rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()
+        }
+        if before is not None and before not in known:
+            raise SchemaError(
+                f"the database {redact(self.url)} is at schema revision {before}, newer than "
+                f"this ckptstore knows ({head_revision()}); upgrade ckptstore instead"
+            )
+        try:
+            with self._migration_lock():
+                self._upgrade(revision)
+        except CommandError as exc:
+            raise SchemaError(f"cannot upgrade {redact(self.url)} to {revision!r}: {exc}") from exc
         return before, self.current_revision()
 
     def _upgrade(self, revision: str = "head") -> None:

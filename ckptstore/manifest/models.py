@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -67,7 +67,10 @@ def utcnow() -> dt.datetime:
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
-    type_annotation_map = {dict[str, Any]: JSON, dt.datetime: DateTime(timezone=True)}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        dt.datetime: DateTime(timezone=True),
+    }
 
 
 class Run(Base):

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, FencedError
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, FencedError, IntegrityError
 from ckptstore.manifest.models import (
     Blob,
     BlobState,
@@ -124,6 +126,11 @@ def blob_state(session: Session, digest: str) -> str | None:
     return session.scalar(select(Blob.state).where(Blob.digest == digest))
 
 
+def condemn_blob(session: Session, digest: str) -> None:
+    """Take a damaged blob out of service: the next save that needs it uploads it again."""
+    session.execute(update(Blob).where(Blob.digest == digest).values(state=BlobState.CONDEMNED))
+
+
 def live_blobs(session: Session, digests: Sequence[str]) -> dict[str, Blob]:
     """Rows of ``digests`` (locked for update on PostgreSQL)."""
     found: dict[str, Blob] = {}
@@ -154,8 +161,10 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
         if c.digest not in existing
     ]
     if new_rows:
-        session.execute(insert(Blob), new_rows)
-    digests = list(existing)
+        # Another transaction may insert the same new blob concurrently (two runs saving
+        # the same weights): its row wins, and is claimed below like any existing one.
+        session.execute(_insert_ignoring_duplicates(session, Blob), new_rows)
+    digests = list(unique)
     for i in range(0, len(digests), _BATCH):
         session.execute(
             update(Blob)
@@ -167,6 +176,15 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
             insert(CheckpointBlob),
             [{"checkpoint_id": checkpoint_id, "digest": d} for d in unique],
         )
+
+
+def _insert_ignoring_duplicates(session: Session, table: type[Blob]) -> Any:
+    dialect = session.get_bind().dialect.name
+    if dialect == "postgresql":
+        return pg_insert(table).on_conflict_do_nothing()
+    if dialect == "sqlite":
+        return sqlite_insert(table).on_conflict_do_nothing()
+    return insert(table)
 
 
 def record_components(
@@ -226,9 +244,24 @@ def committed_at_step(session: Session, run_id: int, step: int) -> Checkpoint:
         .order_by(Checkpoint.id.desc())
         .limit(1)
     ).one_or_none()
-    if row is None:
-        raise CheckpointNotFoundError(f"no committed checkpoint at step {step}")
-    return row
+    if row is not None:
+        return row
+    other = session.scalars(
+        select(Checkpoint)
+        .where(Checkpoint.run_id == run_id, Checkpoint.step == step)
+        .order_by(Checkpoint.id.desc())
+        .limit(1)
+    ).one_or_none()
+    if other is not None and other.status == Status.CORRUPT:
+        raise IntegrityError(
+            f"the checkpoint at step {step} is marked corrupt: {other.error}; load another step"
+        )
+    if other is not None:
+        raise CheckpointNotFoundError(
+            f"the checkpoint at step {step} is {other.status}, not committed"
+            + (f" ({other.error})" if other.error else "")
+        )
+    raise CheckpointNotFoundError(f"no checkpoint at step {step}")
 
 
 def components_of(session: Session, checkpoint_id: int) -> list[Component]:

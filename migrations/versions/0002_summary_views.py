@@ -42,7 +42,11 @@ FROM checkpoints c JOIN runs r ON r.id = c.run_id
 
 # The metric is read from the metrics JSON with each dialect's own JSON operator.
 _METRIC = {
-    "sqlite": "CAST(json_extract(c.metrics, '$.\"' || r.metric_name || '\"') AS REAL)",
+    # Only numbers count: a string or boolean metric value must not rank as 0 or 1.
+    "sqlite": (
+        "CASE WHEN json_type(c.metrics, '$.\"' || r.metric_name || '\"') IN ('integer', 'real') "
+        "THEN CAST(json_extract(c.metrics, '$.\"' || r.metric_name || '\"') AS REAL) END"
+    ),
     "postgresql": (
         "CASE WHEN json_typeof(c.metrics -> r.metric_name) = 'number' "
         "THEN (c.metrics ->> r.metric_name)::float8 END"
@@ -69,12 +73,20 @@ SELECT r.id AS run_id,
             ELSE (SELECT MIN({metric}) FROM checkpoints c
                    WHERE c.run_id = r.id AND c.status = 'committed')
        END AS best_metric,
-       (SELECT SUM(c.logical_bytes) FROM checkpoints c
-         WHERE c.run_id = r.id AND c.status = 'committed') AS logical_bytes,
-       (SELECT SUM(b.stored_bytes) FROM blobs b WHERE b.digest IN (
+       CAST((SELECT SUM(c.logical_bytes) FROM checkpoints c
+         WHERE c.run_id = r.id AND c.status = 'committed') AS BIGINT) AS logical_bytes,
+       CAST((SELECT SUM(b.stored_bytes) FROM blobs b WHERE b.digest IN (
            SELECT cb.digest FROM checkpoint_blobs cb
            JOIN checkpoints c ON c.id = cb.checkpoint_id
-           WHERE c.run_id = r.id AND c.status = 'committed')) AS stored_bytes
+           WHERE c.run_id = r.id AND c.status = 'committed')) AS BIGINT) AS stored_bytes,
+       -- Logical bytes of the committed checkpoints per byte actually stored for them
+       -- (deduplication across checkpoints and compression together).
+       CAST((SELECT SUM(c.logical_bytes) FROM checkpoints c
+         WHERE c.run_id = r.id AND c.status = 'committed') AS REAL)
+         / NULLIF((SELECT SUM(b.stored_bytes) FROM blobs b WHERE b.digest IN (
+           SELECT cb.digest FROM checkpoint_blobs cb
+           JOIN checkpoints c ON c.id = cb.checkpoint_id
+           WHERE c.run_id = r.id AND c.status = 'committed')), 0) AS dedup_ratio
 FROM runs r
 """
 
