@@ -15,7 +15,7 @@ from typing import Any
 
 from ckptstore.checkpointer.run import default_db
 from ckptstore.errors import CkptStoreError, ConfigError
-from ckptstore.manifest.db import Database, head_revision, redact
+from ckptstore.manifest.db import Database, head_revision, known_revisions, redact
 
 EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
 
@@ -52,11 +52,19 @@ def cmd_db_current(args: argparse.Namespace) -> int:
     finally:
         database.close()
     head = head_revision()
-    state = "up to date" if current == head else "empty" if current is None else "out of date"
+    hint = ""
+    if current == head:
+        state = "up to date"
+    elif current is None:
+        state = "empty"
+    elif current in known_revisions():
+        state, hint = "out of date", "; run `ckptstore db upgrade`"
+    else:
+        state, hint = "newer", " than this ckptstore; upgrade ckptstore"
     _emit(
         args,
         {"db": redact(database.url), "current": current, "head": head, "state": state},
-        f"{redact(database.url)}: revision {current or '-'} (head {head}, {state})",
+        f"{redact(database.url)}: revision {current or '-'} (head {head}, {state}{hint})",
     )
     return EXIT_OK if current == head else EXIT_PROBLEMS
 

@@ -100,6 +100,11 @@ def _enable_wal(cursor: Any) -> None:
             time.sleep(random.uniform(0.01, 0.1))
 
 
+def known_revisions() -> set[str]:
+    """Every schema revision this ckptstore's migrations know."""
+    return {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+
+
 def _is_contention(exc: BaseException) -> bool:
     if not isinstance(exc, DBAPIError):
         return False
@@ -188,9 +193,7 @@ class Database:
                         )
                     self._upgrade()
             return
-        scripts = ScriptDirectory.from_config(_alembic_config())
-        known = {rev.revision for rev in scripts.walk_revisions()}
-        if current not in known:
+        if current not in known_revisions():
             raise SchemaError(
                 f"the database {redact(self.url)} is at schema revision {current}, newer than "
                 f"this ckptstore knows ({head}); upgrade ckptstore"
@@ -204,9 +207,12 @@ class Database:
     def upgrade(self, revision: str = "head") -> tuple[str | None, str | None]:
         """Migrate to ``revision``; returns (before, after)."""
         before = self.current_revision()
-        known = {
-            rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()
-        }
+        known = known_revisions()
+        if before is None and self._has_tables():
+            raise SchemaError(
+                f"the database {redact(self.url)} has tables but no ckptstore schema version; "
+                "point --db at an empty or ckptstore database"
+            )
         if before is not None and before not in known:
             raise SchemaError(
                 f"the database {redact(self.url)} is at schema revision {before}, newer than "
