@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed-core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[tensordict]'
+	$(PIP) install -q -e '.[tensordict,plot]'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed-core pyproject.toml

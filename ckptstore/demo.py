@@ -1,7 +1,9 @@
-"""The main job until the trainer lands: save a small model's state through the store, reload it
-from a fresh read of the store, and check it bit for bit.
+"""The main job until the trainer lands: a small transformer trains for a few steps and
+checkpoints each one through ckptstore; re-running resumes from the newest committed
+checkpoint, which is checked bit for bit against what was saved.
 
-Run with ``python -m ckptstore.demo [--store DIR]``; the default store is ``./.ckptstore/``.
+Run with ``python -m ckptstore.demo [--db PATH] [--store DIR] [--steps N]``; the defaults are
+the embedded store under ``./.ckptstore/``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import time
 import torch
 from torch import nn
 
-from ckptstore.cas import BlobWriter, WriterOptions
-from ckptstore.objectstore import open_store
-from ckptstore.serialize import load_component, write_component
+from ckptstore.checkpointer import RetentionPolicy, open_run
+from ckptstore.checkpointer.run import default_db, default_store
 from ckptstore.serialize.compare import first_difference
+
+MiB = 1 << 20
 
 
 class TinyTransformer(nn.Module):
@@ -31,57 +34,67 @@ class TinyTransformer(nn.Module):
         return out
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, object]:
-    return {
-        "policy": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "training_info": {"current_step": step, "seed": 0},
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ckptstore.demo", description=__doc__)
-    parser.add_argument("--store", default=".ckptstore/store", help="store URL or directory")
+    parser.add_argument("--db", default=None, help="manifest database (default ./.ckptstore)")
+    parser.add_argument("--store", default=None, help="store URL or directory")
+    parser.add_argument("--run", default="demo", help="run name")
+    parser.add_argument("--steps", type=int, default=6, help="train steps per invocation")
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
     model = TinyTransformer()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 512, (8, 32))
-    for _ in range(3):
-        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-        optimizer.zero_grad()
-        loss.backward()  # type: ignore[no-untyped-call]
-        optimizer.step()
-    state = _state(model, optimizer, 3)
-
-    store = open_store(args.store)
-    with BlobWriter(store, WriterOptions()) as writer:
+    tokens = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(1))
+    retention = RetentionPolicy(keep_top_k=3, metric_name="train:loss", higher_is_better=False)
+    db, store = args.db or default_db(), args.store or default_store()
+    with open_run(args.run, db=db, store=store, retention=retention) as run:
+        start = 0
+        resumed = run.latest()
+        if resumed is not None:
+            ckpt = run.load()
+            model.load_state_dict(ckpt.state["policy"])
+            optimizer.load_state_dict(ckpt.state["optimizer"])
+            start = ckpt.state["training_info"]["current_step"]
+            print(f"resumed run {args.run!r} from step {start} (newest committed checkpoint)")
+        else:
+            print(f"new run {args.run!r} in {run.store.url}")
+        saved: dict[str, object] = {}
+        for step in range(start + 1, start + args.steps + 1):
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            saved = {
+                "policy": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "training_info": {"current_step": step, "seed": 0},
+            }
+            handle = run.save(step, saved, metrics={"train:loss": loss.item()}, trigger="period")
+            info = handle.wait()
+            print(
+                f"step {step:3d}  loss {loss.item():.4f}  saved {info.logical_bytes / MiB:5.1f} "
+                f"MiB, uploaded {info.uploaded_bytes / MiB:5.1f} MiB, deduplicated "
+                f"{info.deduplicated_bytes / MiB:5.1f} MiB, training blocked "
+                f"{handle.blocked_seconds * 1000:.1f} ms"
+            )
         t0 = time.perf_counter()
-        first = write_component(writer, state)
-        t1 = time.perf_counter()
-        second = write_component(writer, state)
-    t2 = time.perf_counter()
-    loaded = load_component(open_store(args.store), first.index_digest)
-    t3 = time.perf_counter()
-    difference = first_difference(state, loaded)
-    if difference:
-        print(f"FAILED: the reloaded state differs from the saved one at {difference}")
-        return 1
-    mib = 1 << 20
-    print(f"store:   {store.url}")
-    print(f"index:   {first.index_digest}")
-    print(
-        f"saved:   {first.entries} entries, {first.logical_bytes / mib:.1f} MiB logical, "
-        f"{first.stored_bytes / mib:.1f} MiB stored in {len(first.blobs)} blobs, "
-        f"{first.uploaded_bytes / mib:.1f} MiB uploaded now, {t1 - t0:.2f}s"
-    )
-    print(
-        f"again:   same state saved twice -> {second.uploaded_bytes} bytes uploaded "
-        f"(deduplicated), {t2 - t1:.2f}s"
-    )
-    print(f"loaded:  verified every blob's BLAKE3 digest, {t3 - t2:.2f}s")
-    print("result:  bit-exact round trip of weights, AdamW state and training info")
+        again = run.load()
+        seconds = time.perf_counter() - t0
+        names = sorted(saved)
+        difference = first_difference(
+            {k: saved[k] for k in names}, {k: again.state[k] for k in names}
+        )
+        if difference:
+            print(f"FAILED: the reloaded checkpoint differs from the saved state at {difference}")
+            return 1
+        kept = [c.step for c in run.checkpoints(["committed"])]
+        print(
+            f"reloaded step {again.info.step} from a fresh read of the store in {seconds:.2f}s, "
+            "every blob's BLAKE3 digest verified: bit-exact (weights, AdamW state, training info)"
+        )
+        print(f"retention keeps the 3 lowest-loss checkpoints plus the latest: steps {kept}")
+        print("run it again to resume; inspect with `ckptstore runs`, `ckptstore ls demo`")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from ckptstore.cas import codec as codecs
@@ -90,6 +91,20 @@ def decode_object(data: memoryview, digest: str, where: str) -> tuple[Header, me
     if actual != digest:
         raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")
     return header, raw
+
+
+def quarantine_blob(store: ObjectStore, digest: str, *, now: float | None = None) -> bool:
+    """Move a damaged blob to ``quarantine/`` so a later save can store good bytes under its key
+    (keys are never overwritten); the damaged copy stays for inspection. False if absent."""
+    key = blob_key(digest)
+    try:
+        damaged = store.get(key)
+    except ObjectNotFoundError:
+        return False
+    stamp = int(now if now is not None else time.time())
+    store.put(f"quarantine/{digest[3:]}-{stamp}", damaged)
+    store.delete([key])
+    return True
 
 
 def get_blob(store: ObjectStore, digest: str, *, context: str = "") -> tuple[Header, memoryview]:

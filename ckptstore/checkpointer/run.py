@@ -25,6 +25,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError as SQLIntegrityError
 from sqlalchemy.orm import Session
 
+from ckptstore.cas.blobs import quarantine_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.writer import BlobWriter, WriterOptions
 from ckptstore.checkpointer.retention import Candidate, RetentionPolicy, to_delete
@@ -372,18 +373,12 @@ class Run:
             return _info(row, self.name, q.components_of(session, checkpoint_id))
 
     def _revalidate(self, claims: Mapping[str, q.BlobClaim], existing: Mapping[str, Blob]) -> None:
-        """Every blob must exist: live rows are trusted, anything else is checked in the store.
-
-        A blob uploaded during this save is fresh (younger than any GC grace period); a blob
-        the writer skipped because a HEAD or a cache said "already there", or whose row is
-        condemned, is checked again now, while the commit holds the GC lock.
+        """Every blob must exist: live rows are trusted (GC condemns before it deletes), anything
+        else is checked in the store now, while the commit holds the GC lock — also blobs this
+        save uploaded, since a save slower than the GC grace period could see them swept as
+        orphans before their rows exist.
         """
-        to_check = [
-            d
-            for d, c in claims.items()
-            if (d in existing and existing[d].state != BlobState.LIVE)
-            or (d not in existing and not c.uploaded)
-        ]
+        to_check = [d for d in claims if d not in existing or existing[d].state != BlobState.LIVE]
         if not to_check:
             return
         with ThreadPoolExecutor(min(16, len(to_check))) as pool:
@@ -559,21 +554,10 @@ class Run:
             log.exception("could not mark checkpoint %d corrupt", checkpoint_id)
 
     def _quarantine(self, digest: str) -> None:
-        """Move a damaged blob aside so that the next save which needs it uploads good bytes
-        (an existing key is never overwritten); the damaged copy stays for inspection."""
-        key = blob_key(digest)
         try:
-            damaged = self.store.get(key)
-        except ObjectNotFoundError:
-            return
+            quarantine_blob(self.store, digest)
         except CkptStoreError:
-            log.exception("could not read damaged blob %s to quarantine it", key)
-            return
-        try:
-            self.store.put(f"quarantine/{digest[3:]}-{int(time.time())}", damaged)
-            self.store.delete([key])
-        except CkptStoreError:
-            log.exception("could not quarantine damaged blob %s", key)
+            log.exception("could not quarantine damaged blob %s", blob_key(digest))
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckptstore.checkpointer.run import default_db
+from ckptstore.cli.commands import add_commands
 from ckptstore.errors import CkptStoreError, ConfigError
 from ckptstore.manifest.db import Database, head_revision, known_revisions, redact
 
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_db_upgrade)
     cur = db_sub.add_parser("current", help="show the schema revision (exit 1 if not at head)")
     cur.set_defaults(func=cmd_db_current)
+    add_commands(sub)
     return parser
 
 
@@ -104,9 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except CkptStoreError as exc:
+    except (CkptStoreError, KeyError) as exc:
         print(f"ckptstore: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # e.g. piped into head
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ class Blob(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, server_default=func.now())
     last_claimed_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     state: Mapped[str] = mapped_column(String(16), default=BlobState.LIVE)
+    #: When garbage collection condemned it; a later GC deletes it once this is old enough.
+    condemned_at: Mapped[dt.datetime | None]
 
 
 class CheckpointBlob(Base):

@@ -128,7 +128,11 @@ def blob_state(session: Session, digest: str) -> str | None:
 
 def condemn_blob(session: Session, digest: str) -> None:
     """Take a damaged blob out of service: the next save that needs it uploads it again."""
-    session.execute(update(Blob).where(Blob.digest == digest).values(state=BlobState.CONDEMNED))
+    session.execute(
+        update(Blob)
+        .where(Blob.digest == digest)
+        .values(state=BlobState.CONDEMNED, condemned_at=utcnow())
+    )
 
 
 def live_blobs(session: Session, digests: Sequence[str]) -> dict[str, Blob]:
@@ -297,8 +301,8 @@ def count_checkpoints(session: Session, run_id: int) -> int:
     return int(session.scalar(select(func.count()).where(Checkpoint.run_id == run_id)) or 0)
 
 
-def _utc(value: dt.datetime | None) -> dt.datetime | None:
+def as_utc(value: dt.datetime) -> dt.datetime:
     """SQLite returns naive datetimes; every time we store is UTC."""
-    if value is None or value.tzinfo is not None:
+    if value.tzinfo is not None:
         return value
     return value.replace(tzinfo=dt.UTC)

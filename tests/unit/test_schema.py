@@ -43,8 +43,9 @@ from ckptstore.manifest.db import Database, _alembic_config, head_revision, reda
 from ckptstore.manifest.models import Base
 
 #: The newest migration and the one before it. A new migration moves both (and the snapshots).
-HEAD = "0002"
-PREVIOUS_HEAD = "0001"
+HEAD = "0003"
+PREVIOUS_HEAD = "0002"
+FIRST = "0001"
 
 TABLES = {"runs", "checkpoints", "components", "blobs", "checkpoint_blobs", "gc_lease"}
 VIEWS = {"checkpoint_summary", "run_summary"}
@@ -295,7 +296,7 @@ def test_migrations_form_one_linear_history_ending_at_head() -> None:
     )
     assert head_revision() == HEAD
     chain = [rev.revision for rev in scripts.walk_revisions("base", "heads")]
-    assert chain == [HEAD, PREVIOUS_HEAD]
+    assert chain == [HEAD, PREVIOUS_HEAD, FIRST]
     assert scripts.get_revision(HEAD).down_revision == PREVIOUS_HEAD
 
 
@@ -336,7 +337,8 @@ def test_out_of_date_schema_is_refused(
     database = opened(url, check_schema=False)
     assert database.current_revision() == PREVIOUS_HEAD
     with database.engine.connect() as conn:
-        assert table_and_view_names(conn)[1] == set()
+        columns = {c["name"] for c in inspect(conn).get_columns("blobs")}
+    assert "condemned_at" not in columns  # the 0003 change was not applied
 
 
 def test_newer_schema_is_refused(
@@ -612,7 +614,8 @@ def test_concurrent_first_use_creates_schema_once(tmp_path: Path) -> None:
                 proc.kill()
             proc.communicate()
     logs = "\n".join(outputs)
-    assert logs.count(f"Running upgrade  -> {PREVIOUS_HEAD}") == 1, logs
+    assert logs.count(f"Running upgrade  -> {FIRST}") == 1, logs
+    assert logs.count(f"Running upgrade {FIRST} -> {PREVIOUS_HEAD}") == 1, logs
     assert logs.count(f"Running upgrade {PREVIOUS_HEAD} -> {HEAD}") == 1, logs
 
     conn = sqlite3.connect(path)
@@ -659,8 +662,8 @@ def test_downgrade_to_base_and_upgrade_again(
         insert_sample_data(conn)
 
     with database.engine.begin() as conn:
-        command.downgrade(_alembic_config(conn), PREVIOUS_HEAD)
-    assert database.current_revision() == PREVIOUS_HEAD
+        command.downgrade(_alembic_config(conn), FIRST)
+    assert database.current_revision() == FIRST
     with database.engine.connect() as conn:
         assert table_and_view_names(conn) == (TABLES | {"alembic_version"}, set())
         check_sample_data(conn)

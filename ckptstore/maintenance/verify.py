@@ -1,0 +1,177 @@
+"""Re-hash what checkpoints reference and report what is missing or damaged."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ckptstore.cas.blobs import MissingBlobError, get_blob, quarantine_blob
+from ckptstore.cas.digest import blob_key
+from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
+from ckptstore.manifest import queries as q
+from ckptstore.manifest.db import Database
+from ckptstore.manifest.models import Checkpoint, CheckpointBlob, Run, Status
+from ckptstore.objectstore import ObjectStore
+from ckptstore.serialize.load import read_index
+
+log = logging.getLogger("ckptstore.verify")
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    run: str
+    step: int
+    component: str
+    key: str
+    kind: str  # "missing" or "corrupt"
+    detail: str
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    checkpoints: int = 0
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    corrupt_checkpoints: list[tuple[str, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Target:
+    id: int
+    run: str
+    step: int
+    owners: dict[str, str]  # digest -> component
+
+
+def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
+    with db.read() as session:
+        query = (
+            select(Checkpoint.id, Run.name, Checkpoint.step)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Checkpoint.status == Status.COMMITTED)
+        )
+        if run is not None:
+            query = query.where(Run.name == run)
+        if step is not None:
+            query = query.where(Checkpoint.step == step)
+        rows = list(session.execute(query.order_by(Run.name, Checkpoint.step)))
+        targets = []
+        for cid, name, cstep in rows:
+            owners = dict.fromkeys(_digests(session, cid), "?")
+            for comp in q.components_of(session, cid):
+                owners[comp.index_digest] = comp.name
+            targets.append(_Target(cid, name, cstep, owners))
+        return targets
+
+
+def _digests(session: Session, checkpoint_id: int) -> list[str]:
+    return list(
+        session.scalars(
+            select(CheckpointBlob.digest).where(CheckpointBlob.checkpoint_id == checkpoint_id)
+        )
+    )
+
+
+def verify(
+    db: Database,
+    store: ObjectStore,
+    *,
+    run: str | None = None,
+    step: int | None = None,
+    sample: int | None = None,
+    mark_corrupt: bool = True,
+    workers: int = 8,
+    progress: Progress | None = None,
+    seed: int | None = None,
+) -> VerifyReport:
+    """Check every blob (or ``sample`` random blobs per checkpoint) of committed checkpoints.
+
+    Damaged checkpoints are marked corrupt and their bad blobs quarantined (so the next save
+    uploads good bytes), unless ``mark_corrupt`` is False.
+    """
+    report = VerifyReport()
+    targets = _targets(db, run, step)
+    rng = random.Random(seed)
+    verdicts: dict[str, tuple[str, str] | None] = {}  # digest -> (kind, detail) or None if ok
+    with ThreadPoolExecutor(workers) as pool:
+        for target in targets:
+            report.checkpoints += 1
+            # The index tells which component owns each blob, for the report.
+            for digest, component in list(target.owners.items()):
+                if component == "?":
+                    continue
+                try:
+                    index = read_index(store, digest)
+                except (IntegrityError, SerializationError):
+                    continue  # reported below when the blob itself is checked
+                for blob in index.digests:
+                    target.owners[blob] = component
+            todo = list(target.owners)
+            if sample is not None and sample < len(todo):
+                todo = rng.sample(todo, sample)
+            fresh = [d for d in todo if d not in verdicts]
+            for digest, verdict, size in pool.map(lambda d: _check(store, d), fresh):
+                verdicts[digest] = verdict
+                report.blobs_checked += 1
+                report.bytes_checked += size
+                if progress:
+                    progress(1)
+            bad = [(d, verdicts[d]) for d in todo if verdicts[d] is not None]
+            for digest, verdict in bad:
+                assert verdict is not None
+                report.problems.append(
+                    Problem(
+                        target.run,
+                        target.step,
+                        target.owners[digest],
+                        f"{store.url}/{blob_key(digest)}",
+                        verdict[0],
+                        verdict[1],
+                    )
+                )
+            if bad:
+                report.corrupt_checkpoints.append((target.run, target.step))
+                if mark_corrupt:
+                    _mark(db, store, target, bad[0][1], [d for d, _ in bad])
+    return report
+
+
+def _check(store: ObjectStore, digest: str) -> tuple[str, tuple[str, str] | None, int]:
+    try:
+        _, raw = get_blob(store, digest)
+    except MissingBlobError as exc:
+        return digest, ("missing", str(exc)), 0
+    except IntegrityError as exc:
+        return digest, ("corrupt", str(exc)), 0
+    return digest, None, raw.nbytes
+
+
+def _mark(
+    db: Database,
+    store: ObjectStore,
+    target: _Target,
+    verdict: tuple[str, str] | None,
+    digests: list[str],
+) -> None:
+    reason = f"verify: {verdict[0]} blob: {verdict[1]}" if verdict else "verify failed"
+    for digest in digests:
+        try:
+            quarantine_blob(store, digest)
+        except CkptStoreError:
+            log.exception("could not quarantine %s", blob_key(digest))
+
+    def transaction(session: Session) -> None:
+        q.mark(session, target.id, Status.CORRUPT, reason)
+        for digest in digests:
+            q.condemn_blob(session, digest)
+
+    db.write(transaction, what="marking a corrupt checkpoint")
+    log.error("run %r step %d is corrupt: %s", target.run, target.step, reason)
