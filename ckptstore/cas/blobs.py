@@ -112,8 +112,7 @@ def get_blob(store: ObjectStore, digest: str, *, context: str = "") -> tuple[Hea
     key = blob_key(digest)
     where = f"blob {store.url}/{key}" + (f" ({context})" if context else "")
     try:
-        data = store.get(key)
-        return decode_object(memoryview(data), digest, where)
+        return decode_object(store.get_view(key), digest, where)
     except ObjectNotFoundError as exc:
         missing = MissingBlobError(f"{where} is missing from the store")
         missing.digest = digest

@@ -14,6 +14,9 @@ import stat
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
 
 from ckptstore.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
 from ckptstore.objectstore.base import (
@@ -86,27 +89,46 @@ class LocalStore(ObjectStore):
             _unlink_quietly(tmp)
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        with self._open(key) as f:
+            start, stop = clip_range(byte_range, os.fstat(f.fileno()).st_size)
+            buf = bytearray(stop - start)
+            self._read_into(f.fileno(), memoryview(buf), start, key)
+            return buf
+
+    def get_view(self, key: str) -> memoryview:
+        with self._open(key) as f:
+            # numpy.empty leaves the pages untouched: reading into them is the first touch,
+            # where a bytearray would zero-fill the whole object first.
+            buf = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
+            view = memoryview(buf.data)
+            self._read_into(f.fileno(), view, 0, key)
+            return view
+
+    @contextlib.contextmanager
+    def _open(self, key: str) -> Iterator[BinaryIO]:
         path = self._path(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                start, stop = clip_range(byte_range, size)
-                buf = bytearray(stop - start)
-                view = memoryview(buf)
-                got = 0
-                while got < len(buf):
-                    n = os.preadv(f.fileno(), [view[got:]], start + got)
-                    if n == 0:
-                        raise ObjectStoreError(
-                            f"reading {self.url}/{key}: the file shrank while being read"
-                        )
-                    got += n
-                return buf
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
+            f = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by the with below
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
             # A directory, or a path through a file, is no object (as on S3).
             raise ObjectNotFoundError(f"object {self.url}/{key} does not exist") from exc
         except OSError as exc:
             raise self._error("reading", key, exc) from exc
+        with f:
+            yield f
+
+    def _read_into(self, fd: int, view: memoryview, offset: int, key: str) -> None:
+        got = 0
+        while got < view.nbytes:
+            try:
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as exc:
+                raise self._error("reading", key, exc) from exc
+            if n == 0:
+                raise ObjectStoreError(
+                    f"reading {self.url}/{key}: the file shrank while being read"
+                )
+            got += n
 
     def head(self, key: str) -> ObjectInfo:
         try:

@@ -109,6 +109,13 @@ class ObjectStore(abc.ABC):
         that extends past the end is clipped to the object's size.
         """
 
+    def get_view(self, key: str) -> memoryview:
+        """The whole object as a writable buffer; backends may skip zero-filling it.
+
+        The blob reader uses this: a raw tensor chunk read here becomes the tensor's memory.
+        """
+        return memoryview(self.get(key))
+
     @abc.abstractmethod
     def head(self, key: str) -> ObjectInfo:
         """Size and mtime of ``key``; raises ``ObjectNotFoundError`` if it does not exist."""

@@ -431,11 +431,19 @@ class BarrierStore(LocalStore):
         self.barrier: threading.Barrier | None = None
         self.free: set[str] = set()
 
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
-        data = super().get(key, byte_range)
+    def _together(self, key: str) -> None:
         if self.barrier is not None and key not in self.free:
             with contextlib.suppress(threading.BrokenBarrierError):
                 self.barrier.wait(timeout=2)
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        data = super().get(key, byte_range)
+        self._together(key)
+        return data
+
+    def get_view(self, key: str) -> memoryview:
+        data = super().get_view(key)
+        self._together(key)
         return data
 
 
@@ -649,6 +657,11 @@ class RecordingStore(LocalStore):
         with self._lock:
             self.gets.append(key)
         return super().get(key, byte_range)
+
+    def get_view(self, key: str) -> memoryview:
+        with self._lock:
+            self.gets.append(key)
+        return super().get_view(key)
 
 
 def model_state() -> dict[str, Any]:
