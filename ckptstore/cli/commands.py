@@ -310,17 +310,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     finally:
         db.close()
         store.close()
-    payload = {
-        "checkpoints": report.checkpoints,
-        "blobs_checked": report.blobs_checked,
-        "bytes_checked": report.bytes_checked,
-        "problems": [p.__dict__ for p in report.problems]
-        if hasattr(report.problems, "__iter__")
-        else [],
-        "corrupt_checkpoints": [{"run": r, "step": s} for r, s in report.corrupt_checkpoints],
-    }
     if args.json:
-        print(dumps({**payload, "problems": [_problem(p) for p in report.problems]}))
+        payload = {
+            "checkpoints": report.checkpoints,
+            "blobs_checked": report.blobs_checked,
+            "bytes_checked": report.bytes_checked,
+            "problems": [_problem(p) for p in report.problems],
+            "corrupt_checkpoints": [{"run": r, "step": s} for r, s in report.corrupt_checkpoints],
+        }
+        print(dumps(payload))
     else:
         for p in report.problems:
             print(
@@ -570,33 +568,41 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_commands(sub: Any) -> None:
-    p = sub.add_parser("runs", help="one line per run: counts, latest step, best metric, bytes")
+def add_commands(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "runs", parents=parents, help="one line per run: counts, latest step, best metric, bytes"
+    )
     p.set_defaults(func=cmd_runs)
 
-    p = sub.add_parser("ls", help="the checkpoints of a run")
+    p = sub.add_parser("ls", parents=parents, help="the checkpoints of a run")
     p.add_argument("run")
     p.add_argument("--all", action="store_true", help="include checkpoints deleted by retention")
     p.set_defaults(func=cmd_ls)
 
-    p = sub.add_parser("show", help="one checkpoint (RUN or RUN@STEP) with its components")
+    p = sub.add_parser(
+        "show", parents=parents, help="one checkpoint (RUN or RUN@STEP) with its components"
+    )
     p.add_argument("target", metavar="RUN[@STEP]")
     p.add_argument("--entries", action="store_true", help="also list every entry (reads indexes)")
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("latest", help="the newest committed step of a run")
+    p = sub.add_parser("latest", parents=parents, help="the newest committed step of a run")
     p.add_argument("run")
     p.set_defaults(func=cmd_latest)
 
     p = sub.add_parser(
-        "verify", help="re-hash checkpoints' blobs; exit 1 and mark corrupt ones if damaged"
+        "verify",
+        parents=parents,
+        help="re-hash checkpoints' blobs; exit 1 and mark corrupt ones if damaged",
     )
     p.add_argument("target", nargs="?", metavar="RUN[@STEP]", help="default: every run")
     p.add_argument("--sample", type=int, metavar="N", help="check N random blobs per checkpoint")
     p.add_argument("--no-mark", action="store_true", help="report only; change nothing")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("gc", help="delete blobs no committed checkpoint needs (mark and sweep)")
+    p = sub.add_parser(
+        "gc", parents=parents, help="delete blobs no committed checkpoint needs (mark and sweep)"
+    )
     p.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
     p.add_argument(
         "--grace",
@@ -607,21 +613,25 @@ def add_commands(sub: Any) -> None:
     )
     p.set_defaults(func=cmd_gc)
 
-    p = sub.add_parser("sql", help="run one read-only SQL query over the manifest")
+    p = sub.add_parser("sql", parents=parents, help="run one read-only SQL query over the manifest")
     p.add_argument("query", metavar="SQL")
     p.add_argument("--format", choices=["table", "csv", "json"], default="table")
     p.set_defaults(func=cmd_sql)
 
-    p = sub.add_parser("export", help="write a checkpoint's components as files")
+    p = sub.add_parser("export", parents=parents, help="write a checkpoint's components as files")
     p.add_argument("target", metavar="RUN@STEP")
     p.add_argument("directory", metavar="DIR")
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("du", help="logical vs stored bytes per run, dedup and compression")
+    p = sub.add_parser(
+        "du", parents=parents, help="logical vs stored bytes per run, dedup and compression"
+    )
     p.set_defaults(func=cmd_du)
 
-    p = sub.add_parser("plot", help="plot a metric against step with checkpoint markers")
+    p = sub.add_parser(
+        "plot", parents=parents, help="plot a metric against step with checkpoint markers"
+    )
     p.add_argument("run")
     p.add_argument("--metric", required=True, help="metric name, e.g. train:reward")
     p.add_argument("-o", "--output", required=True, help="image file to write (e.g. out.png)")

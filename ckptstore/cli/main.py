@@ -82,15 +82,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # --json is accepted before or after the subcommand.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+    parents = [common]
 
     db = sub.add_parser("db", help="manage the manifest database schema")
     db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
-    up = db_sub.add_parser("upgrade", help="migrate the database to the newest schema")
+    up = db_sub.add_parser(
+        "upgrade", parents=parents, help="migrate the database to the newest schema"
+    )
     up.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
     up.set_defaults(func=cmd_db_upgrade)
-    cur = db_sub.add_parser("current", help="show the schema revision (exit 1 if not at head)")
+    cur = db_sub.add_parser(
+        "current", parents=parents, help="show the schema revision (exit 1 if not at head)"
+    )
     cur.set_defaults(func=cmd_db_current)
-    add_commands(sub)
+    add_commands(sub, parents)
     return parser
 
 

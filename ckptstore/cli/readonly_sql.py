@@ -40,6 +40,7 @@ def _sqlite(path: str, query: str) -> tuple[list[str], list[Sequence[Any]]]:
     conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)
     try:
         conn.execute("PRAGMA query_only = ON")
+        conn.set_authorizer(_sqlite_reads_only)
         cursor = conn.execute(query)  # refuses more than one statement
         columns = [d[0] for d in cursor.description or []]
         return columns, cursor.fetchall()
@@ -47,8 +48,27 @@ def _sqlite(path: str, query: str) -> tuple[list[str], list[Sequence[Any]]]:
         conn.close()
 
 
+_SQLITE_ALLOWED = {
+    sqlite3.SQLITE_SELECT,
+    sqlite3.SQLITE_READ,
+    sqlite3.SQLITE_FUNCTION,
+    sqlite3.SQLITE_RECURSIVE,
+}
+
+
+def _sqlite_reads_only(action: int, *_args: object) -> int:
+    """SQLite authorizer: reads only (no ATTACH, which would create files, no PRAGMA, ...)."""
+    return sqlite3.SQLITE_OK if action in _SQLITE_ALLOWED else sqlite3.SQLITE_DENY
+
+
 def _postgres(url: str, query: str) -> tuple[list[str], list[Sequence[Any]]]:
-    engine = create_engine(url, connect_args={"options": "-c default_transaction_read_only=on"})
+    parsed = make_url(url)
+    # Keep the URL's own options (a search_path, say) and add read-only on top.
+    own = str(parsed.query.get("options", ""))
+    options = f"{own} -c default_transaction_read_only=on".strip()
+    engine = create_engine(
+        parsed.difference_update_query(["options"]), connect_args={"options": options}
+    )
     try:
         raw = engine.raw_connection()
         try:

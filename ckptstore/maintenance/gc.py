@@ -89,13 +89,19 @@ def gc_lease(db: Database, holder: str | None = None) -> Iterator[str]:
 
     def acquire(session: Session) -> None:
         now = utcnow()
+        # Make sure the single row exists (two GCs racing to create it must not collide),
+        # then lock it: the second GC waits here and then sees the first one's lease.
+        session.execute(
+            q.insert_ignoring_duplicates(session, GcLease),
+            [{"id": 1, "holder": "", "expires_at": now - dt.timedelta(seconds=1)}],
+        )
         lease = session.scalars(select(GcLease).where(GcLease.id == 1).with_for_update()).first()
         if lease is not None and q.as_utc(lease.expires_at) > now and lease.holder != holder:
             raise GcBusyError(
                 f"another garbage collection ({lease.holder}) holds the lease until "
                 f"{q.as_utc(lease.expires_at):%Y-%m-%d %H:%M:%S} UTC; wait for it to finish"
             )
-        if lease is None:
+        if lease is None:  # released (deleted) between the two statements
             session.add(GcLease(id=1, holder=holder, expires_at=now + LEASE_TTL))
         else:
             lease.holder, lease.expires_at = holder, now + LEASE_TTL

@@ -167,7 +167,7 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
     if new_rows:
         # Another transaction may insert the same new blob concurrently (two runs saving
         # the same weights): its row wins, and is claimed below like any existing one.
-        session.execute(_insert_ignoring_duplicates(session, Blob), new_rows)
+        session.execute(insert_ignoring_duplicates(session, Blob), new_rows)
     digests = list(unique)
     for i in range(0, len(digests), _BATCH):
         session.execute(
@@ -182,7 +182,7 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
         )
 
 
-def _insert_ignoring_duplicates(session: Session, table: type[Blob]) -> Any:
+def insert_ignoring_duplicates(session: Session, table: type[Any]) -> Any:
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         return pg_insert(table).on_conflict_do_nothing()
