@@ -80,14 +80,16 @@ class _Assembler:
                 continue
             with self._lock:
                 if self.buffers[t.entry] is None:
-                    self.buffers[t.entry] = memoryview(_allocate(entry.nbytes, where))
+                    self.buffers[t.entry] = _allocate(entry.nbytes, where)
             self.buffers[t.entry][t.dest : t.dest + t.length] = raw[t.offset : t.offset + t.length]
 
 
-def _allocate(nbytes: int, where: str) -> bytearray:
+def _allocate(nbytes: int, where: str) -> memoryview:
+    """An uninitialized buffer (every byte is written before use; zero-filling would only
+    cost a second pass over the memory)."""
     try:
-        return bytearray(nbytes)
-    except MemoryError:
+        return memoryview(np.empty(nbytes, dtype=np.uint8).data)
+    except (MemoryError, ValueError):
         raise IntegrityError(
             f"{where}: cannot allocate {nbytes} bytes for an entry (a corrupt index, or too "
             "little memory)"
@@ -99,7 +101,7 @@ def _materialize(entry: Entry, buffer: memoryview | None, where: str) -> Any:
         if entry.kind == "dtype":
             return torch_dtype(entry.value, where)
         return entry.value
-    data = buffer if buffer is not None else memoryview(_allocate(entry.nbytes, where))
+    data = buffer if buffer is not None else _allocate(entry.nbytes, where)
     if entry.kind == "bytes":
         return bytes(data)
     if entry.kind == "bytearray":
