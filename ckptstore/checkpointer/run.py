@@ -65,14 +65,8 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
-@dataclass(frozen=True, slots=True)
-class ComponentInfo:
-    name: str
-    kind: str
-    index_digest: str
-    logical_bytes: int
-    stored_bytes: int
-    entries: int
+#: One component of a checkpoint (name, kind, index digest, bytes, entries).
+ComponentInfo = q.ComponentRow
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,12 +120,7 @@ def _info(row: Checkpoint, run: str, components: Sequence[Any] = ()) -> Checkpoi
         save_seconds=row.save_seconds,
         blocked_seconds=row.blocked_seconds,
         error=row.error,
-        components=tuple(
-            ComponentInfo(
-                c.name, c.kind, c.index_digest, c.logical_bytes, c.stored_bytes, c.entries
-            )
-            for c in components
-        ),
+        components=tuple(ComponentInfo.of(c) for c in components),
     )
 
 

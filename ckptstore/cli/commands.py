@@ -212,17 +212,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         "uploaded_bytes": row.uploaded_bytes,
         "save_seconds": row.save_seconds,
         "blocked_seconds": row.blocked_seconds,
-        "components": [
-            {
-                "name": c.name,
-                "kind": c.kind,
-                "index_digest": c.index_digest,
-                "logical_bytes": c.logical_bytes,
-                "stored_bytes": c.stored_bytes,
-                "entries": c.entries,
-            }
-            for c in comps
-        ],
+        "components": [q.ComponentRow.of(c).as_dict() for c in comps],
     }
     if args.entries:
         record["entries"] = entries

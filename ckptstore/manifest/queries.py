@@ -46,12 +46,23 @@ class BlobClaim:
 
 @dataclass(frozen=True, slots=True)
 class ComponentRow:
+    """One component of a checkpoint, as the ``components`` table holds it."""
+
     name: str
     kind: str
     index_digest: str
     logical_bytes: int
     stored_bytes: int
     entries: int
+
+    @classmethod
+    def of(cls, row: Component) -> ComponentRow:
+        return cls(
+            row.name, row.kind, row.index_digest, row.logical_bytes, row.stored_bytes, row.entries
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.__slots__}
 
 
 def find_run(session: Session, name: str) -> Run | None:
@@ -194,18 +205,7 @@ def insert_ignoring_duplicates(session: Session, table: type[Any]) -> Any:
 def record_components(
     session: Session, checkpoint_id: int, components: Iterable[ComponentRow]
 ) -> None:
-    rows = [
-        {
-            "checkpoint_id": checkpoint_id,
-            "name": c.name,
-            "kind": c.kind,
-            "index_digest": c.index_digest,
-            "logical_bytes": c.logical_bytes,
-            "stored_bytes": c.stored_bytes,
-            "entries": c.entries,
-        }
-        for c in components
-    ]
+    rows = [{"checkpoint_id": checkpoint_id, **c.as_dict()} for c in components]
     if rows:
         session.execute(insert(Component), rows)
 
