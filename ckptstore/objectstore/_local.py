@@ -34,6 +34,7 @@ class LocalStore(ObjectStore):
     """A directory on a local or network file system."""
 
     write_bandwidth_hint = 1.5e9
+    read_concurrency = max(2, os.cpu_count() or 2)
 
     def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.root = Path(root).expanduser().resolve()

@@ -94,6 +94,7 @@ class S3Store(ObjectStore):
     """
 
     write_bandwidth_hint = 1.5e8
+    read_concurrency = 16
 
     def __init__(
         self,

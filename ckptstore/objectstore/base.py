@@ -87,6 +87,9 @@ class ObjectStore(abc.ABC):
     #: Rough sustained write throughput in bytes/s. The blob codec compares it with its own
     #: speed to decide whether compressing saves wall time on this store.
     write_bandwidth_hint: float = 1.0e9
+    #: How many reads to run at once when loading. Reads from a local page cache are CPU work
+    #: (copies, page faults), so more threads than cores only contend; network reads wait.
+    read_concurrency: int = 8
 
     @property
     @abc.abstractmethod

@@ -8,7 +8,6 @@ is exactly one raw blob becomes a view of the fetched buffer (no copy).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -143,7 +142,7 @@ def load_entries(
             raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
         assembler.place(digest, raw, by_blob[digest], blob_context)
 
-    workers = max_workers or min(16, 2 * (os.cpu_count() or 1) + 2)
+    workers = max_workers or store.read_concurrency
     with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:
         for future in [pool.submit(fetch, d) for d in by_blob]:
             future.result()
