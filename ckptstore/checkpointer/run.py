@@ -435,10 +435,8 @@ class Run:
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or None. One indexed query."""
         with self.db.read() as session:
-            row = q.latest_committed(session, self.id)
-            if row is None:
-                return None
-            return _info(row, self.name, q.components_of(session, row.id))
+            found = q.latest_with_components(session, self.id)
+        return None if found is None else _info(found[0], self.name, found[1])
 
     def checkpoints(self, statuses: Sequence[str] | None = None) -> list[CheckpointInfo]:
         """Every checkpoint of the run (optionally only some statuses), oldest first."""

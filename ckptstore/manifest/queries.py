@@ -237,6 +237,29 @@ def latest_committed(
     ).one_or_none()
 
 
+def latest_with_components(
+    session: Session, run_id: int
+) -> tuple[Checkpoint, list[Component]] | None:
+    """The newest committed checkpoint and its components in one statement: the indexed
+    lookup of the newest row, joined with its components by primary key."""
+    newest = (
+        select(Checkpoint.id)
+        .where(Checkpoint.run_id == run_id, Checkpoint.status == Status.COMMITTED)
+        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    rows = session.execute(
+        select(Checkpoint, Component)
+        .outerjoin(Component, Component.checkpoint_id == Checkpoint.id)
+        .where(Checkpoint.id == newest)
+        .order_by(Component.name)
+    ).all()
+    if not rows:
+        return None
+    return rows[0][0], [component for _, component in rows if component is not None]
+
+
 def committed_at_step(session: Session, run_id: int, step: int) -> Checkpoint:
     row = session.scalars(
         select(Checkpoint)
