@@ -106,6 +106,8 @@ class SeaweedServer:
         data = self.root / "data"
         return [
             str(weed_binary()),
+            # glog writes its files to /tmp unless told otherwise.
+            f"-logdir={self.root}",
             "mini",
             f"-dir={data}",
             f"-master.dir={self.root / 'master'}",
