@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, update
+from sqlalchemy import insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -318,10 +318,6 @@ def mark_deleted(session: Session, ids: Iterable[int]) -> None:
             .where(Checkpoint.id.in_(ids[i : i + _BATCH]), Checkpoint.status == Status.COMMITTED)
             .values(status=Status.DELETED)
         )
-
-
-def count_checkpoints(session: Session, run_id: int) -> int:
-    return int(session.scalar(select(func.count()).where(Checkpoint.run_id == run_id)) or 0)
 
 
 def as_utc(value: dt.datetime) -> dt.datetime:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ from ckptstore.serialize.tree import ARRAY_KINDS
 FORMAT = "ckptstore/index"
 VERSION = 1
 MAX_DIMS = 64
-JSON_KINDS = frozenset({"json", "dtype"})
+JSON_KINDS = frozenset({"json", "dtype", "float"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +125,9 @@ def _entry(raw: Any, where: str) -> Entry:
         value = raw.get("value")
         if kind == "dtype":
             torch_dtype(str(value), where)
+        elif kind == "float":
+            if not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16}", value)):
+                raise SerializationError(f"{where}: a float entry holds 16 hex digits")
         elif not (value is None or isinstance(value, bool | int | float | str)):
             raise SerializationError(f"{where}: JSON entry holds a {type(value).__name__}")
         return Entry(path, kind, value=value)

@@ -8,6 +8,7 @@ is exactly one raw blob becomes a view of the fetched buffer (no copy).
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +100,8 @@ def _materialize(entry: Entry, buffer: memoryview | None, where: str) -> Any:
     if not entry.is_array:
         if entry.kind == "dtype":
             return torch_dtype(entry.value, where)
+        if entry.kind == "float":
+            return struct.unpack("<d", bytes.fromhex(entry.value))[0]
         return entry.value
     data = buffer if buffer is not None else _allocate(entry.nbytes, where)
     if entry.kind == "bytes":

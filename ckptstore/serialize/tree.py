@@ -15,6 +15,8 @@ Tree nodes (JSON)::
 
 from __future__ import annotations
 
+import math
+import struct
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
@@ -87,6 +89,9 @@ class Flattener:
             return self._leaf(self._tensor_view(value, path or "<root>"))
         if isinstance(value, np.ndarray | np.generic):
             return self._leaf(_numpy_leaf(value, path or "<root>", copy=self._copy))
+        if isinstance(value, float) and math.isnan(value):
+            # JSON's NaN has no sign or payload: keep the exact bits.
+            return self._leaf(Leaf(path, "float", value=struct.pack("<d", value).hex()))
         if value is None or isinstance(value, bool | int | float | str):
             return self._leaf(Leaf(path, "json", value=value))
         if isinstance(value, bytes | bytearray):
