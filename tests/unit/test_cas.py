@@ -14,6 +14,7 @@ import boto3
 import numpy as np
 import pytest
 import torch
+from component_helpers import random_bytes, save
 from moto import mock_aws
 
 from ckptstore.cas import (
@@ -56,20 +57,6 @@ FIXED = struct.Struct("<4sBBBBQQ32sI")
 @pytest.fixture
 def store(tmp_path: Path) -> LocalStore:
     return LocalStore(tmp_path / "store", fsync=False)
-
-
-def save(store: ObjectStore, state: Any, **options: Any) -> ComponentResult:
-    options.setdefault("max_workers", 4)
-    with BlobWriter(store, WriterOptions(**options)) as writer:
-        return write_component(writer, state)
-
-
-def load(store: ObjectStore, index_digest: str) -> Any:
-    return load_component(store, index_digest)
-
-
-def random_bytes(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).bytes(n)
 
 
 def random_u8(n: int, seed: int = 0) -> torch.Tensor:
@@ -340,7 +327,7 @@ def test_compression_never_stores_every_blob_raw(store: LocalStore) -> None:
         header = header_of(store, digest)
         assert header.codec is Codec.RAW
         assert header.stored_len == header.raw_len
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 def test_compression_always_picks_the_codec_by_content(store: LocalStore) -> None:
@@ -362,7 +349,7 @@ def test_compression_always_picks_the_codec_by_content(store: LocalStore) -> Non
     for digest in chunk_digests(store, result, "tokens"):
         header = header_of(store, digest)
         assert header.stored_len < header.raw_len // 2
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 def test_compression_auto_on_local_disk_keeps_fp32_raw_but_compresses_zeros(
@@ -379,7 +366,7 @@ def test_compression_auto_on_local_disk_keeps_fp32_raw_but_compresses_zeros(
         header_of(store, d).stored_len for d in chunk_digests(store, result, "zeros")
     )
     assert zeros_stored < 400_000 * 4 // 100
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 def test_min_gain_follows_the_policy_and_the_store_bandwidth() -> None:
@@ -456,10 +443,10 @@ def test_flipped_payload_byte_is_detected(
         damaged[pos] ^= 0x5A
         path.write_bytes(damaged)
         with pytest.raises(IntegrityError) as info:
-            load(store, result.index_digest)
+            load_component(store, result.index_digest)
         assert blob_key(digest) in str(info.value), f"byte {pos}"
     path.write_bytes(original)
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 @pytest.mark.parametrize("which", BLOB_KINDS)
@@ -478,7 +465,7 @@ def test_flipped_header_byte_fails_or_changes_nothing(
         damaged[pos] ^= 0xFF
         path.write_bytes(damaged)
         try:
-            loaded = load(store, result.index_digest)
+            loaded = load_component(store, result.index_digest)
         except IntegrityError as exc:
             errors[pos] = str(exc)
         else:
@@ -501,7 +488,7 @@ def test_truncated_object_is_detected(
     for cut in (len(original) - 1, len(original) // 2, ALIGN, 16, 0):
         path.write_bytes(original[:cut])
         with pytest.raises(IntegrityError) as info:
-            load(store, result.index_digest)
+            load_component(store, result.index_digest)
         assert blob_key(digest) in str(info.value), f"cut to {cut} bytes"
 
 
@@ -513,7 +500,7 @@ def test_deleted_object_is_a_missing_blob(
     digest = pick_blob(store, result, which)
     store.delete([blob_key(digest)])
     with pytest.raises(MissingBlobError) as info:
-        load(store, result.index_digest)
+        load_component(store, result.index_digest)
     assert isinstance(info.value, FileNotFoundError)
     assert blob_key(digest) in str(info.value)
 
@@ -527,7 +514,7 @@ def test_object_swapped_for_another_valid_blob_is_detected(
     other = pick_blob(store, result, "zstd chunk")
     object_path(store, victim).write_bytes(object_path(store, other).read_bytes())
     with pytest.raises(IntegrityError, match=blob_key(victim)):
-        load(store, result.index_digest)
+        load_component(store, result.index_digest)
 
 
 # -- dedup ------------------------------------------------------------------------------------
@@ -618,7 +605,7 @@ def test_identical_tensors_in_one_state_are_stored_once(store: LocalStore) -> No
     assert a == b == c
     assert len(set(a)) == 3
     assert len(stored_objects(store)) == 3 + 1  # three chunks and the index
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 def test_dedup_on_s3_issues_no_put_the_second_time() -> None:
@@ -644,7 +631,7 @@ def test_dedup_on_s3_issues_no_put_the_second_time() -> None:
             assert puts == []
             assert second.uploaded_bytes == 0
             assert {info.key for info in store.list("cas/")} == keys
-            loaded = load(store, second.index_digest)
+            loaded = load_component(store, second.index_digest)
             assert first_difference(state, loaded) is None
         finally:
             store.close()
@@ -695,7 +682,7 @@ def test_writer_bounds_the_bytes_in_flight(
         assert store.max_running > 3
     else:
         assert 1 <= store.max_running <= bound
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 def test_writer_runs_a_blob_larger_than_the_budget_alone(tmp_path: Path) -> None:
@@ -805,7 +792,7 @@ def test_pack_layout_and_table_of_contents(store: LocalStore) -> None:
             assert bytes(raw[item.offset : item.offset + item.length]) == expected
         assert max(i.offset + i.length for i in toc) <= 16 * 1024
     assert sorted(named) == sorted(state)
-    assert first_difference(state, load(store, result.index_digest)) is None
+    assert first_difference(state, load_component(store, result.index_digest)) is None
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from component_helpers import random_bytes, save
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.cas import BlobWriter, Kind, WriterOptions, blob_key
+from ckptstore.cas import Kind, blob_key
 from ckptstore.errors import SerializationError
 from ckptstore.objectstore import LocalStore, ObjectStore
 from ckptstore.serialize import (
@@ -29,7 +30,6 @@ from ckptstore.serialize import (
     load_component,
     load_paths,
     read_index,
-    write_component,
 )
 from ckptstore.serialize.compare import first_difference
 from ckptstore.serialize.dtypes import TORCH_DTYPES
@@ -50,20 +50,6 @@ def store(tmp_path: Path) -> LocalStore:
 def shared_store(tmp_path_factory: pytest.TempPathFactory) -> LocalStore:
     """One store for all examples of a property test (content addressing keeps them apart)."""
     return LocalStore(tmp_path_factory.mktemp("shared") / "store", fsync=False)
-
-
-def save(store: ObjectStore, state: Any, **options: Any) -> ComponentResult:
-    options.setdefault("max_workers", 4)
-    with BlobWriter(store, WriterOptions(**options)) as writer:
-        return write_component(writer, state)
-
-
-def load(store: ObjectStore, index_digest: str) -> Any:
-    return load_component(store, index_digest)
-
-
-def random_bytes(n: int, seed: int = 0) -> bytes:
-    return np.random.default_rng(seed).bytes(n)
 
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -417,7 +403,7 @@ def test_tensors_larger_than_a_chunk_round_trip(store: LocalStore, compression: 
         assert sum(s.length for s in entry.segments) == entry.nbytes
         assert all(s.length % itemsize == 0 and s.offset == 0 for s in entry.segments)
     assert len({s.digest for s in index.entry("zeros").segments}) == 1
-    loaded = load(store, result.index_digest)
+    loaded = load_component(store, result.index_digest)
     assert first_difference(state, loaded) is None
     assert_same(state, loaded)
 
@@ -844,3 +830,11 @@ def test_unsupported_root_value_is_refused(store: LocalStore) -> None:
     with pytest.raises(SerializationError, match=r"^<root>: "):
         save(store, {1, 2})
     assert list(store.list()) == []
+
+
+def test_nan_floats_keep_their_sign_and_payload(store: LocalStore) -> None:
+    """JSON's NaN has neither; a float NaN entry is stored by its bits."""
+    bits = ["fff8000000000000", "7ff8000000000001", "7ff4000000000000"]
+    state = {"nans": [struct.unpack("<d", bytes.fromhex(b)[::-1])[0] for b in bits]}
+    loaded = load_component(store, save(store, state).index_digest)
+    assert [struct.pack("<d", v)[::-1].hex() for v in loaded["nans"]] == bits
