@@ -8,29 +8,36 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow lint format bench clean
+.PHONY: demo test test-slow stress lint format bench clean
 
 $(VENV)/.installed-core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[tensordict,plot]'
+	$(PIP) install -q -e '.[trainer,plot]'
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed-core pyproject.toml
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
-## demo: set up and run the main job on the embedded default store (./.ckptstore/)
+DEMO_ARGS ?=
+
+## demo: set up and run the main job, the GRPO trainer, on the embedded default store
+## (./.ckptstore/); running it again resumes. More steps: make demo DEMO_ARGS=grpo.max_num_steps=80
 demo: $(VENV)/.installed-core
-	$(PY) -m ckptstore.demo
+	$(PY) -m trainer.grpo $(DEMO_ARGS)
 
 ## test: set up (with test servers) and run the default test suite
 test: $(VENV)/.installed-dev
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not stress" $(PYTEST_ARGS)
 
 ## test-slow: only the slow cases
 test-slow: $(VENV)/.installed-dev
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+## stress: the long reliability tier (crash points, faults, GC against writers); prints its figures
+stress: $(VENV)/.installed-dev
+	$(PY) -m pytest -m stress tests/reliability $(PYTEST_ARGS)
 
 ## lint: ruff (lint + format check) and mypy on the library
 lint: $(VENV)/.installed-dev

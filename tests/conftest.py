@@ -24,6 +24,9 @@ from store_contract import LocalStoreFactory, S3Endpoint, S3StoreFactory, StoreF
 
 from ckptstore.objectstore import ObjectStore
 
+# Manifest-database fixtures (db_url on SQLite and PostgreSQL, pg_url, store) for every directory.
+pytest_plugins = ["dbfixtures"]
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _aws_test_environment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:

@@ -1,4 +1,6 @@
-"""Manifest-database fixtures: the same tests on SQLite and on a real PostgreSQL server.
+"""Manifest-database fixtures, loaded for every directory by the root conftest (pytest_plugins).
+
+The same tests run on SQLite and on a real PostgreSQL server.
 
 - ``pg_url`` (session): a fresh database ``ckpt_test_<hex>`` on the server named by
   ``$CKPTSTORE_TEST_PG_URL`` (default ``postgresql+psycopg://postgres@127.0.0.1:5432/test``),

@@ -1,0 +1,51 @@
+"""A small trainer config for tests (seconds per run) and a way to run the controller in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.config import load_config, to_dict
+from trainer.controller import Controller
+
+
+def small_overrides(root: Path, **extra: Any) -> list[str]:
+    values: dict[str, Any] = {
+        "seed": 3,
+        "task.num_digits": 3,
+        "policy.d_model": 32,
+        "policy.n_layers": 1,
+        "policy.n_heads": 2,
+        "warmup.steps": 4,
+        "warmup.batch_size": 16,
+        "grpo.num_prompts_per_step": 2,
+        "grpo.num_generations_per_prompt": 4,
+        "grpo.max_num_steps": 4,
+        "data.train.num_prompts": 64,
+        "async_rl.max_inflight_prompts": 4,
+        "async_rl.max_buffered_rollouts": 8,
+        "checkpointing.run_name": "t",
+        "checkpointing.save_period": 2,
+        "checkpointing.db": str(root / "manifest.db"),
+        "checkpointing.store": str(root / "store"),
+    }
+    values.update(extra)
+    return [f"{key}={'null' if value is None else value}" for key, value in values.items()]
+
+
+def small_config(root: Path, **extra: Any) -> dict[str, Any]:
+    """The config for ``backend=local``; keys use dots with ``__`` in place of ``.``."""
+    overrides = {key.replace("__", "."): value for key, value in extra.items()}
+    overrides.setdefault("backend", "local")
+    return to_dict(load_config(None, small_overrides(root, **overrides)))
+
+
+def train(
+    cfg: dict[str, Any], process_start: float | None = None
+) -> tuple[dict[str, Any], list[str]]:
+    """Run the controller in this process to the end; returns its summary and printed lines."""
+    controller = Controller(cfg, time.time() if process_start is None else process_start)
+    summary = asyncio.run(controller.run_training())
+    return summary, controller.drain()

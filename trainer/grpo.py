@@ -1,0 +1,151 @@
+"""``python -m trainer.grpo [--config FILE.yaml] [dotted.key=value ...]``: train and resume.
+
+Re-running the same command resumes from the newest committed checkpoint of
+``checkpointing.run_name``. With the defaults it uses the embedded store (``./.ckptstore/``:
+SQLite + a local directory), or ``$CKPTSTORE_DB`` / ``$CKPTSTORE_STORE``.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.time()  # checkpoint_must_save_by counts from here
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+from ckptstore.errors import CkptStoreError  # noqa: E402
+
+EPILOG = """\
+examples:
+  python -m trainer.grpo                                  # train (or resume) the demo run
+  python -m trainer.grpo grpo.max_num_steps=60 checkpointing.save_period=10
+  python -m trainer.grpo --config my.yaml checkpointing.checkpoint_must_save_by=00:03:30:00
+  python -m trainer.grpo backend=local                    # no Ray: everything in this process
+
+Config names follow DESIGN.md §9.1 (see trainer/config.py for every key and its default).
+checkpoint_must_save_by takes DD:HH:MM:SS counted from process start, or an absolute
+ISO-8601 time; when the next step would overrun it the trainer saves and exits 0.
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.grpo",
+        description="Asynchronous GRPO on Ray that checkpoints through ckptstore and resumes "
+        "exactly where it stopped.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", help="a YAML file with config overrides")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    return parser.parse_args(argv)
+
+
+def resolve_locations(cfg: dict[str, Any]) -> None:
+    """Absolute store/db locations: the actors may not share the driver's working directory."""
+    from ckptstore.checkpointer.run import default_db, default_store
+
+    ck = cfg["checkpointing"]
+    ck["db"] = ck["db"] or default_db()
+    ck["store"] = ck["store"] or default_store()
+    if "://" not in ck["db"]:
+        ck["db"] = str(Path(ck["db"]).resolve())
+        Path(ck["db"]).parent.mkdir(parents=True, exist_ok=True)
+    if "://" not in ck["store"]:
+        ck["store"] = str(Path(ck["store"]).resolve())
+
+
+async def _drive_local(controller: Any) -> dict[str, Any]:
+    task = asyncio.create_task(controller.run_training())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.2)
+        for line in controller.drain():
+            print(line, flush=True)
+    for line in controller.drain():
+        print(line, flush=True)
+    return task.result()  # type: ignore[no-any-return]
+
+
+def _drive_ray(cfg: dict[str, Any]) -> dict[str, Any]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    from trainer.controller import Controller
+
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        logging_level=logging.ERROR,
+        configure_logging=True,
+    )
+    try:
+        controller = ray.remote(num_cpus=0)(Controller).remote(cfg, PROCESS_START)
+        done = controller.run_training.remote()
+        while True:
+            ready, _ = ray.wait([done], timeout=0.2)
+            for line in ray.get(controller.drain.remote()):
+                print(line, flush=True)
+            if ready:
+                return ray.get(done)  # type: ignore[no-any-return]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from trainer.config import load_config, to_dict
+    from trainer.controller import Controller, TrainerError
+
+    cfg = to_dict(load_config(args.config, args.overrides))
+    resolve_locations(cfg)
+    try:
+        if cfg["backend"] == "local":
+            summary = asyncio.run(_drive_local(Controller(cfg, PROCESS_START)))
+        else:
+            summary = _drive_ray(cfg)
+    except (TrainerError, CkptStoreError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        cause = _user_error(exc)
+        if cause is None:
+            raise
+        print(f"error: {cause}", file=sys.stderr)
+        return 2
+    state = "stopped early" if summary["stopped_early"] else "finished"
+    print(
+        f"{state}: run {summary['run']!r} at step {summary['train_steps']} "
+        f"({summary['consumed_samples']} samples); checkpoints at steps {summary['saved_steps']}"
+    )
+    return 0
+
+
+def _user_error(exc: BaseException) -> str | None:
+    """A TrainerError or ckptstore error wrapped by Ray (RayTaskError keeps it as its cause)."""
+    from trainer.controller import TrainerError
+
+    seen = exc
+    for _ in range(5):
+        if isinstance(seen, TrainerError | CkptStoreError):
+            return str(seen)
+        inner = getattr(seen, "cause", None) or seen.__cause__
+        if inner is None:
+            return None
+        seen = inner
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
