@@ -170,7 +170,7 @@ class Controller:
         if self.ck["enabled"]:
             await asyncio.to_thread(self._open_run)
             await self._restore()
-        await self._sync_weights()
+        await self._sync_weights(self.train_steps)
 
     def _base_weights(self) -> dict[str, torch.Tensor]:
         """The warm-up model, stored once as its own run and shared by every GRPO run that
@@ -382,6 +382,13 @@ class Controller:
         """Set up, restore, run both pumps to the end, flush the last save; returns a summary."""
         try:
             await self.setup()
+            if self.train_steps >= self.max_steps:
+                self.emit(
+                    f"run {self.run_name!r} is already at step {self.train_steps}, "
+                    f"grpo.max_num_steps={self.max_steps}: nothing to train. Raise "
+                    "grpo.max_num_steps to train further (make demo DEMO_ARGS=grpo.max_num_steps=80)."
+                )
+                self.stop = True
             rollout = asyncio.create_task(self._rollout_pump())
             try:
                 await self._train_pump()
@@ -587,8 +594,9 @@ class Controller:
         data: TensorDict = torch.cat([payload for _, payload in taken])  # type: ignore[assignment]
         version = self.train_steps
         stats = await self.policy.train_step.remote(data)
-        self.train_steps += 1
-        await self._sync_weights()
+        # The new version becomes visible to the rollout pump only once every worker has it.
+        await self._sync_weights(version + 1)
+        self.train_steps = version + 1
         self.consumed_samples += int(data.batch_size[0])
         self.total_valid_tokens += int(stats["tokens"])
         reward = float(data["rewards"].mean())
@@ -633,14 +641,14 @@ class Controller:
             return "period"
         return None
 
-    async def _sync_weights(self) -> None:
+    async def _sync_weights(self, version: int) -> None:
         weights = await self.policy.weights.remote()
         if self.cfg["backend"] == "ray":
             import ray
 
             weights = ray.put(weights)
         await asyncio.gather(
-            *(w.set_weights.remote(self.train_steps, weights) for w in self.rollout_workers)
+            *(w.set_weights.remote(version, weights) for w in self.rollout_workers)
         )
 
     # -- saving -----------------------------------------------------------------------------------

@@ -127,10 +127,6 @@ class InOrderSampler(PromptGroupSampler):
     def should_abort_inflight(self, group: Group, trainer_version: int) -> bool:
         return group.target_step is not None and group.target_step < trainer_version
 
-    @property
-    def is_on_policy(self) -> bool:
-        return self.gate_window == 1
-
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * self.gate_window
 
@@ -170,7 +166,7 @@ def make_sampler(options: Mapping[str, Any]) -> PromptGroupSampler:
     module_name, _, class_name = str(target).partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as exc:
+    except (ImportError, AttributeError, ValueError, TypeError) as exc:
         raise ValueError(f"cannot load custom sampler {target!r}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, PromptGroupSampler)):
         raise TypeError(f"custom sampler {target!r} is not a PromptGroupSampler subclass")

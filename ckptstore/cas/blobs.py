@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ckptstore.cas import codec as codecs
 from ckptstore.cas.digest import blob_key, digest_bytes, from_raw, raw_digest
-from ckptstore.cas.header import Codec, Header, Kind, decode_header
+from ckptstore.cas.header import MAX_RAW_LEN, Codec, Header, Kind, decode_header
 from ckptstore.errors import IntegrityError, ObjectNotFoundError
 from ckptstore.objectstore.base import BytesLike, ObjectStore
 
@@ -78,11 +78,22 @@ def put_blob(
     )
 
 
-def decode_object(data: memoryview, digest: str, where: str) -> tuple[Header, memoryview]:
-    """Verify a whole stored object against ``digest``; return its header and raw bytes."""
+def decode_object(
+    data: memoryview, digest: str, where: str, *, max_raw_len: int = MAX_RAW_LEN
+) -> tuple[Header, memoryview]:
+    """Verify a whole stored object against ``digest``; return its header and raw bytes.
+
+    ``max_raw_len`` is what the caller knows the blob can hold at most (from the verified index
+    or the manifest): a header declaring more is refused before anything is allocated for it.
+    """
     header = decode_header(data, where)
     if from_raw(header.digest) != digest:
         raise IntegrityError(f"{where}: header names digest {from_raw(header.digest)}")
+    if header.raw_len > max_raw_len:
+        raise IntegrityError(
+            f"{where}: header declares {header.raw_len} bytes, more than the {max_raw_len} "
+            "this blob can hold (damaged or crafted)"
+        )
     payload = data[header.size :]
     raw = codecs.decode(
         header.codec, header.itemsize, header.params, payload, header.raw_len, where
@@ -107,12 +118,17 @@ def quarantine_blob(store: ObjectStore, digest: str, *, now: float | None = None
     return True
 
 
-def get_blob(store: ObjectStore, digest: str, *, context: str = "") -> tuple[Header, memoryview]:
-    """Fetch, decode and verify one blob. Errors name the key, the store and ``context``."""
+def get_blob(
+    store: ObjectStore, digest: str, *, context: str = "", max_raw_len: int = MAX_RAW_LEN
+) -> tuple[Header, memoryview]:
+    """Fetch, decode and verify one blob. Errors name the key, the store and ``context``.
+
+    ``max_raw_len`` bounds the raw length the blob's header may declare (see ``decode_object``).
+    """
     key = blob_key(digest)
     where = f"blob {store.url}/{key}" + (f" ({context})" if context else "")
     try:
-        return decode_object(store.get_view(key), digest, where)
+        return decode_object(store.get_view(key), digest, where, max_raw_len=max_raw_len)
     except ObjectNotFoundError as exc:
         missing = MissingBlobError(f"{where} is missing from the store")
         missing.digest = digest

@@ -13,10 +13,11 @@ from sqlalchemy.orm import Session
 
 from ckptstore.cas.blobs import MissingBlobError, get_blob, quarantine_blob
 from ckptstore.cas.digest import blob_key
+from ckptstore.cas.header import MAX_RAW_LEN
 from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.models import Checkpoint, CheckpointBlob, Run, Status
+from ckptstore.manifest.models import Blob, Checkpoint, CheckpointBlob, Run, Status
 from ckptstore.objectstore import ObjectStore
 from ckptstore.serialize.load import read_index
 
@@ -49,6 +50,7 @@ class _Target:
     run: str
     step: int
     owners: dict[str, str]  # digest -> component
+    sizes: dict[str, int]  # digest -> raw length the manifest recorded
 
 
 def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
@@ -65,19 +67,22 @@ def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
         rows = list(session.execute(query.order_by(Run.name, Checkpoint.step)))
         targets = []
         for cid, name, cstep in rows:
-            owners = dict.fromkeys(_digests(session, cid), "?")
+            sizes = _digests(session, cid)
+            owners = dict.fromkeys(sizes, "?")
             for comp in q.components_of(session, cid):
                 owners[comp.index_digest] = comp.name
-            targets.append(_Target(cid, name, cstep, owners))
+            targets.append(_Target(cid, name, cstep, owners, sizes))
         return targets
 
 
-def _digests(session: Session, checkpoint_id: int) -> list[str]:
-    return list(
-        session.scalars(
-            select(CheckpointBlob.digest).where(CheckpointBlob.checkpoint_id == checkpoint_id)
-        )
+def _digests(session: Session, checkpoint_id: int) -> dict[str, int]:
+    """The checkpoint's blobs and the raw length the manifest recorded for each."""
+    rows = session.execute(
+        select(CheckpointBlob.digest, Blob.logical_bytes)
+        .outerjoin(Blob, Blob.digest == CheckpointBlob.digest)
+        .where(CheckpointBlob.checkpoint_id == checkpoint_id)
     )
+    return {digest: size if size is not None else MAX_RAW_LEN for digest, size in rows}
 
 
 def verify(
@@ -118,7 +123,9 @@ def verify(
             if sample is not None and sample < len(todo):
                 todo = rng.sample(todo, sample)
             fresh = [d for d in todo if d not in verdicts]
-            for digest, verdict, size in pool.map(lambda d: _check(store, d), fresh):
+            bounds = [target.sizes.get(d, MAX_RAW_LEN) for d in fresh]
+            checked = pool.map(_check, [store] * len(fresh), fresh, bounds)
+            for digest, verdict, size in checked:
                 verdicts[digest] = verdict
                 report.blobs_checked += 1
                 report.bytes_checked += size
@@ -144,9 +151,11 @@ def verify(
     return report
 
 
-def _check(store: ObjectStore, digest: str) -> tuple[str, tuple[str, str] | None, int]:
+def _check(
+    store: ObjectStore, digest: str, max_raw_len: int
+) -> tuple[str, tuple[str, str] | None, int]:
     try:
-        _, raw = get_blob(store, digest)
+        _, raw = get_blob(store, digest, max_raw_len=max_raw_len)
     except MissingBlobError as exc:
         return digest, ("missing", str(exc)), 0
     except IntegrityError as exc:

@@ -26,10 +26,26 @@ from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry, decode_index
 from ckptstore.serialize.tree import rebuild
 
+#: The largest index blob a load accepts (an index of a million entries is ~200 MiB).
+MAX_INDEX_BYTES = 1 << 30
+
+
+def max_blob_len(targets: Iterable[tuple[str, int, int]]) -> int:
+    """The most raw bytes a data blob can hold, given the (path, offset, length) of every
+    index entry that points into it: its items, plus a pack's table of contents (JSON of the
+    items' names and offsets) and trailer."""
+    end, toc = 0, 64 << 10
+    for path, offset, length in targets:
+        end = max(end, offset + length)
+        toc += 6 * len(path.encode()) + 96
+    return end + toc
+
 
 def read_index(store: ObjectStore, index_digest: str, *, context: str = "") -> ComponentIndex:
     """Fetch, verify and validate a component's index."""
-    header, raw = get_blob(store, index_digest, context=_ctx(context, "index"))
+    header, raw = get_blob(
+        store, index_digest, context=_ctx(context, "index"), max_raw_len=MAX_INDEX_BYTES
+    )
     where = f"index {index_digest}" + (f" ({context})" if context else "")
     if header.kind is not Kind.INDEX:
         raise IntegrityError(f"{where}: blob is a {header.kind.name.lower()}, not an index")
@@ -140,7 +156,8 @@ def load_entries(
     def fetch(digest: str) -> None:
         paths = ", ".join(sorted({chosen[t.entry].path for t in by_blob[digest]})[:3])
         blob_context = _ctx(context, f"entry {paths}")
-        header, raw = get_blob(store, digest, context=blob_context)
+        bound = max_blob_len((chosen[t.entry].path, t.offset, t.length) for t in by_blob[digest])
+        header, raw = get_blob(store, digest, context=blob_context, max_raw_len=bound)
         if header.kind is Kind.INDEX:
             raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
         assembler.place(digest, raw, by_blob[digest], blob_context)
@@ -227,7 +244,15 @@ def load_byte_range(
     for seg in entry.segments:
         lo, hi = max(start, pos), min(stop, pos + seg.length)
         if lo < hi:
-            _, raw = get_blob(store, seg.digest, context=_ctx(context, f"entry {path}"))
+            bound = max_blob_len(
+                (e.path, s.offset, s.length)
+                for e in index.entries
+                for s in e.segments
+                if s.digest == seg.digest
+            )
+            _, raw = get_blob(
+                store, seg.digest, context=_ctx(context, f"entry {path}"), max_raw_len=bound
+            )
             if seg.offset + seg.length > raw.nbytes:
                 raise IntegrityError(f"entry {path!r} points past the end of blob {seg.digest}")
             out[lo - start : hi - start] = raw[seg.offset + lo - pos : seg.offset + hi - pos]
