@@ -387,6 +387,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"  orphans   {report.orphans:6d} objs   {human_bytes(report.orphan_bytes)}"
         "  (objects without a row, older than the grace)"
     )
+    print(
+        f"  unfinished {report.incomplete:5d} writes {human_bytes(report.incomplete_bytes)}"
+        "  (temporary files, multipart uploads of writers that died, older than the grace)"
+    )
     return EXIT_OK
 
 

@@ -66,6 +66,9 @@ class GcReport:
     swept_bytes: int = 0
     orphans: int = 0
     orphan_bytes: int = 0
+    #: Leftovers of writes that never finished (temporary files, multipart uploads).
+    incomplete: int = 0
+    incomplete_bytes: int = 0
     errors: list[str] = field(default_factory=list)
 
 
@@ -136,6 +139,9 @@ def collect_garbage(
         _mark(db, grace, report)
         _sweep(db, store, grace, report, progress)
         _sweep_orphans(db, store, grace, report, progress)
+        report.incomplete, report.incomplete_bytes = store.sweep_incomplete(
+            grace.total_seconds(), dry_run=dry_run
+        )
     return report
 
 

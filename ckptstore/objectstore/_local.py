@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import stat
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -151,6 +152,30 @@ class LocalStore(ObjectStore):
                 continue  # not an object: nothing to delete
             except OSError as exc:
                 raise self._error("deleting", key, exc) from exc
+
+    def sweep_incomplete(self, older_than: float, *, dry_run: bool = False) -> tuple[int, int]:
+        """Delete temporary files of puts that never finished (the writer was killed)."""
+        cutoff = time.time() - older_than
+        count = size = 0
+        for dirpath, _, filenames in os.walk(self.root):
+            for name in filenames:
+                if not name.startswith(TMP_PREFIX):
+                    continue
+                path = os.path.join(dirpath, name)
+                try:
+                    st = os.stat(path)
+                    if st.st_mtime >= cutoff:
+                        continue
+                    if not dry_run:
+                        os.unlink(path)
+                except FileNotFoundError:
+                    continue  # finished or swept meanwhile
+                except OSError as exc:
+                    where = os.path.relpath(path, self.root)
+                    raise self._error("removing the temporary file", where, exc) from exc
+                count += 1
+                size += st.st_size
+        return count, size
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the directory that can hold the prefix, not the whole tree.

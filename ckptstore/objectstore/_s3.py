@@ -12,6 +12,7 @@ import io
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -404,6 +405,46 @@ class S3Store(ObjectStore):
                 f"deleting {len(errors)} objects from {self.url} failed, e.g. "
                 f"{first.get('Key')}: {first.get('Code')}: {first.get('Message')}"
             )
+
+    def sweep_incomplete(self, older_than: float, *, dry_run: bool = False) -> tuple[int, int]:
+        """Abort multipart uploads under this store's prefix started more than ``older_than``
+        seconds ago (their writer died; the parts cost storage until aborted)."""
+        cutoff = time.time() - older_than
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        stale: list[tuple[str, str]] = []
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+        while True:
+            page = self._call(
+                "listing multipart uploads under",
+                prefix,
+                lambda kw=dict(kwargs): self.client.list_multipart_uploads(**kw),  # type: ignore[misc]
+            )
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() < cutoff:
+                    stale.append((upload["Key"], upload["UploadId"]))
+            if not page.get("IsTruncated"):
+                break
+            kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
+            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+        size = 0
+        for full, upload_id in stale:
+            parts = self._call(
+                "listing the parts of",
+                full,
+                lambda f=full, u=upload_id: self.client.list_parts(  # type: ignore[misc]
+                    Bucket=self.bucket, Key=f, UploadId=u
+                ),
+            )
+            size += sum(int(p.get("Size", 0)) for p in parts.get("Parts", []))
+            if not dry_run:
+                self._call(
+                    "aborting the multipart upload of",
+                    full,
+                    lambda f=full, u=upload_id: self.client.abort_multipart_upload(  # type: ignore[misc]
+                        Bucket=self.bucket, Key=f, UploadId=u
+                    ),
+                )
+        return len(stale), size
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         root = f"{self.prefix}/" if self.prefix else ""

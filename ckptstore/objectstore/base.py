@@ -138,6 +138,14 @@ class ObjectStore(abc.ABC):
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (for GC and fsck only)."""
 
+    def sweep_incomplete(self, older_than: float, *, dry_run: bool = False) -> tuple[int, int]:
+        """Remove what writes that never finished left behind (a killed writer's temporary
+        files, abandoned multipart uploads) started more than ``older_than`` seconds ago.
+
+        Returns (count, bytes). A store whose writes are atomic leaves nothing: (0, 0).
+        """
+        return 0, 0
+
     def close(self) -> None:  # noqa: B027 - a store without resources needs no close
         """Release connections and threads. The store must not be used afterwards."""
 

@@ -659,3 +659,41 @@ def test_gc_loop_while_writer_processes_save(db_url: str, store: LocalStore) -> 
     assert stats.errors == []
     assert stats.swept > 0
     check_store_after_gc_storm(db_url, store, results, writers, steps)
+
+
+def test_temporary_files_of_killed_writers_are_swept_after_the_grace(
+    db: Database, store: LocalStore
+) -> None:
+    # What a writer killed between writing its temp file and linking it leaves behind.
+    shard = store.root / "cas" / "ab"
+    shard.mkdir(parents=True)
+    old = shard / ".tmp-abcdef.0123456789abcdef"
+    old.write_bytes(b"x" * 1000)
+    stamp = time.time() - 7200
+    os.utime(old, (stamp, stamp))
+    young = shard / ".tmp-abcdef.fedcba9876543210"
+    young.write_bytes(b"y" * 10)  # a put in progress right now
+
+    dry = collect_garbage(db, store, grace=dt.timedelta(hours=1), dry_run=True)
+    assert (dry.incomplete, dry.incomplete_bytes) == (1, 1000)
+    assert old.exists()
+    report = collect_garbage(db, store, grace=dt.timedelta(hours=1))
+    assert (report.incomplete, report.incomplete_bytes) == (1, 1000)
+    assert not old.exists()
+    assert young.exists()
+
+
+@pytest.mark.integration
+def test_abandoned_multipart_uploads_are_aborted(db: Database, seaweed_store: Any) -> None:
+    # A real server: moto reports every upload as initiated in 2010.
+    client, bucket = seaweed_store.client, seaweed_store.bucket
+    key = f"{seaweed_store.prefix}/cas/ab/abandoned" if seaweed_store.prefix else "cas/ab/x"
+    upload = client.create_multipart_upload(Bucket=bucket, Key=key)
+    client.upload_part(
+        Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"z" * 4096
+    )
+    assert collect_garbage(db, seaweed_store, grace=dt.timedelta(hours=1)).incomplete == 0
+    report = collect_garbage(db, seaweed_store, grace=dt.timedelta(0))
+    assert (report.incomplete, report.incomplete_bytes) == (1, 4096)
+    left = client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", [])
+    assert left == []
