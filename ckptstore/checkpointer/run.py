@@ -527,13 +527,14 @@ class Run:
             exc,
         )
         digest = exc.digest
-        if digest is not None:
-            self._quarantine(digest)
 
         def transaction(session: Session) -> None:
+            # Commits are held off until the damaged object is out of the way (see verify).
+            q.hold_gc_lock_exclusive(session)
             q.mark(session, checkpoint_id, Status.CORRUPT, str(exc))
             if digest is not None:
                 q.condemn_blob(session, digest)
+                self._quarantine(digest)
 
         try:
             self.db.write(transaction, what="marking a corrupt checkpoint")

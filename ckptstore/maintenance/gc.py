@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import and_, delete, exists, func, select, text, update
+from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import Exists
@@ -120,11 +120,6 @@ def gc_lease(db: Database, holder: str | None = None) -> Iterator[str]:
             )
 
 
-def _hold_gc_lock_exclusive(session: Session) -> None:
-    if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": q.GC_LOCK_KEY})
-
-
 def collect_garbage(
     db: Database,
     store: ObjectStore,
@@ -194,7 +189,7 @@ def _sweep(
         batch = [d for d, _ in doomed[i : i + _BATCH]]
 
         def sweep(session: Session, batch: Sequence[str] = batch) -> tuple[int, int]:
-            _hold_gc_lock_exclusive(session)
+            q.hold_gc_lock_exclusive(session)
             rows = list(
                 session.execute(
                     select(Blob.digest, Blob.stored_bytes)
@@ -260,7 +255,7 @@ def _delete_orphans(
         return
 
     def sweep(session: Session) -> set[str]:
-        _hold_gc_lock_exclusive(session)
+        q.hold_gc_lock_exclusive(session)
         orphans = set(sizes) - known(session)
         if orphans:
             store.delete(blob_key(d) for d in sorted(orphans))

@@ -171,16 +171,19 @@ def _mark(
     digests: list[str],
 ) -> None:
     reason = f"verify: {verdict[0]} blob: {verdict[1]}" if verdict else "verify failed"
-    for digest in digests:
-        try:
-            quarantine_blob(store, digest)
-        except CkptStoreError:
-            log.exception("could not quarantine %s", blob_key(digest))
 
     def transaction(session: Session) -> None:
+        # Condemn and quarantine with commits held off, so no commit can trust the damaged
+        # object between the two (a later one finds the row condemned and the object gone).
+        q.hold_gc_lock_exclusive(session)
         q.mark(session, target.id, Status.CORRUPT, reason)
         for digest in digests:
             q.condemn_blob(session, digest)
+        for digest in digests:
+            try:
+                quarantine_blob(store, digest)
+            except CkptStoreError:
+                log.exception("could not quarantine %s", blob_key(digest))
 
     db.write(transaction, what="marking a corrupt checkpoint")
     log.error("run %r step %d is corrupt: %s", target.run, target.step, reason)

@@ -116,6 +116,12 @@ def hold_gc_lock_shared(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": GC_LOCK_KEY})
 
 
+def hold_gc_lock_exclusive(session: Session) -> None:
+    """No commit runs while this transaction lasts (SQLite: its write lock already does that)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": GC_LOCK_KEY})
+
+
 def begin_checkpoint(session: Session, run_id: int, step: int, epoch: int, trigger: str) -> int:
     row = Checkpoint(
         run_id=run_id, step=step, writer_epoch=epoch, trigger=trigger, status=Status.PENDING
