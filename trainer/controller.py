@@ -655,6 +655,9 @@ class Controller:
 
     async def _save(self, trigger: str, reward: float) -> str:
         assert self.run is not None
+        if self.pending is not None:  # one save in flight: report the previous one first
+            previous, self.pending = self.pending, None
+            self._emit_saved(await asyncio.to_thread(previous.wait))
         started = time.perf_counter()
         receipts = await self.policy.save_shards.remote(bool(self.ck["save_optimizer"]))
         buffer_receipt = await asyncio.to_thread(
