@@ -183,6 +183,10 @@ class ReplayBuffer:
         clash = [i for i in sample_ids if i in self.data]
         if clash:
             raise ReplayBufferError(f"group {group_id}: sample ids {clash} are already buffered")
+        if not isinstance(payload, TensorDict):
+            raise ReplayBufferError(
+                f"group {group_id}: the payload must be a TensorDict, not {type(payload).__name__}"
+            )
         if tuple(payload.batch_size[:1]) != (size,):
             raise ReplayBufferError(
                 f"group {group_id}: payload batch size {tuple(payload.batch_size)} "

@@ -103,6 +103,10 @@ class WeightFifoSampler(PromptGroupSampler):
         floor = trainer_version - self.max_staleness_versions
         return [g for g in groups if g.ready and g.start_weight < floor]
 
+    def should_abort_inflight(self, group: Group, trainer_version: int) -> bool:
+        # Finishing it would be wasted work: it would be evicted the moment it is ready.
+        return group.start_weight < trainer_version - self.max_staleness_versions
+
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * self.gate_window
 
