@@ -707,6 +707,8 @@ def open_run(
                     run.metric_name = retention.metric_name
                     run.higher_is_better = retention.higher_is_better
             epoch = q.bump_epoch(session, run.id) if writable else None
+            if epoch is not None:
+                q.abandon_pending(session, run.id, epoch)
             return run.id, epoch
 
         try:

@@ -99,6 +99,25 @@ def bump_epoch(session: Session, run_id: int) -> int:
     return int(session.scalar(select(Run.writer_epoch).where(Run.id == run_id)) or 0)
 
 
+def abandon_pending(session: Session, run_id: int, epoch: int) -> int:
+    """Mark ``failed`` the run's pending checkpoints of writers older than ``epoch``: they can
+    never commit (fencing), and history should not show them as in progress for ever."""
+    result = session.execute(
+        update(Checkpoint)
+        .where(
+            Checkpoint.run_id == run_id,
+            Checkpoint.status == Status.PENDING,
+            Checkpoint.writer_epoch < epoch,
+        )
+        .values(
+            status=Status.FAILED,
+            error=f"abandoned: its writer was replaced by writer epoch {epoch} before it committed",
+        )
+        .execution_options(synchronize_session=False)
+    )
+    return int(getattr(result, "rowcount", 0) or 0)
+
+
 def lock_run(session: Session, run_id: int, epoch: int) -> Run:
     """Lock the run row and check that ``epoch`` is still its writer's."""
     run = session.scalars(select(Run).where(Run.id == run_id).with_for_update()).one()
