@@ -8,6 +8,7 @@ visible to ``latest`` or ``load``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -334,7 +335,12 @@ class Run:
             q.lock_run(session, self.id, self.epoch)
             q.hold_gc_lock_shared(session)
             existing = q.live_blobs(session, list(claims))
-            self._revalidate(claims, existing)
+            for digest, size in self._revalidate(claims, existing).items():
+                claim = claims[digest]
+                if digest not in existing and not claim.uploaded and claim.stored_bytes != size:
+                    # Claimed as "already stored" from a row GC has since removed: the new
+                    # row takes the object's real size, not the claim's placeholder.
+                    claims[digest] = dataclasses.replace(claim, stored_bytes=size)
             stored = sum(
                 existing[d].stored_bytes if d in existing else c.stored_bytes
                 for d, c in claims.items()
@@ -361,34 +367,33 @@ class Run:
             assert row is not None
             return _info(row, self.name, q.components_of(session, checkpoint_id))
 
-    def _revalidate(self, claims: Mapping[str, q.BlobClaim], existing: Mapping[str, Blob]) -> None:
+    def _revalidate(
+        self, claims: Mapping[str, q.BlobClaim], existing: Mapping[str, Blob]
+    ) -> dict[str, int]:
         """Every blob must exist: live rows are trusted (GC condemns before it deletes), anything
         else is checked in the store now, while the commit holds the GC lock — also blobs this
         save uploaded, since a save slower than the GC grace period could see them swept as
-        orphans before their rows exist.
+        orphans before their rows exist. Returns the checked objects' sizes.
         """
         to_check = [d for d in claims if d not in existing or existing[d].state != BlobState.LIVE]
         if not to_check:
-            return
+            return {}
         with ThreadPoolExecutor(min(16, len(to_check))) as pool:
-            missing = [
-                d
-                for d, ok in zip(to_check, pool.map(self._object_exists, to_check), strict=True)
-                if not ok
-            ]
+            sizes = dict(zip(to_check, pool.map(self._object_size, to_check), strict=True))
+        missing = [d for d, size in sizes.items() if size is None]
         if missing:
             raise SaveError(
                 f"{len(missing)} blob(s) this checkpoint references are missing from "
                 f"{self.store.url}, e.g. {blob_key(missing[0])} (garbage-collected while the "
                 "save ran?); nothing was committed and the next save uploads them again"
             )
+        return {d: size for d, size in sizes.items() if size is not None}
 
-    def _object_exists(self, digest: str) -> bool:
+    def _object_size(self, digest: str) -> int | None:
         try:
-            self.store.head(blob_key(digest))
+            return self.store.head(blob_key(digest)).size
         except ObjectNotFoundError:
-            return False
-        return True
+            return None
 
     def _is_live_blob(self, digest: str) -> bool:
         with self.db.read() as session:
@@ -409,6 +414,9 @@ class Run:
             return
 
         def transaction(session: Session) -> list[int]:
+            assert self.epoch is not None
+            # A writer fenced since its commit must not prune the new writer's checkpoints.
+            q.lock_run(session, self.id, self.epoch)
             rows = q.checkpoints_of(session, self.id, [Status.COMMITTED])
             doomed = to_delete((Candidate(r.id, r.step, r.metrics) for r in rows), self.retention)
             q.mark_deleted(session, doomed)
@@ -416,6 +424,9 @@ class Run:
 
         try:
             doomed = self.db.write(transaction, what="applying retention")
+        except FencedError:
+            log.warning("run %r has a newer writer; this stale writer skips retention", self.name)
+            return
         except Exception:  # the checkpoint is committed; retention runs again next time
             log.exception("retention failed for run %r; it will be retried", self.name)
             return

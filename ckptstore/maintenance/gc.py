@@ -145,6 +145,9 @@ def _mark(db: Database, grace: dt.timedelta, report: GcReport) -> None:
     condition = and_(Blob.state == BlobState.LIVE, Blob.last_claimed_at < cutoff, ~_protected())
 
     def mark(session: Session) -> tuple[int, int]:
+        # Exclusive against commits (they hold it shared): a commit claiming a blob is either
+        # fully visible to this mark or starts after it (and then revives what it condemned).
+        q.hold_gc_lock_exclusive(session)
         count, size = session.execute(
             select(func.count(), func.coalesce(func.sum(Blob.stored_bytes), 0)).where(condition)
         ).one()

@@ -186,7 +186,13 @@ def test_resume_skips_rows_that_are_not_committed(
         refused = IntegrityError if hidden == "corrupt" else CheckpointNotFoundError
         with pytest.raises(refused, match="step 3"):
             resumed.load(step=3)
-        assert statuses(resumed) == [(1, "committed"), (2, "committed"), (3, hidden)]
+        # The new writer marks the dead writer's pending row failed ("abandoned").
+        after = "failed" if hidden == "pending" else hidden
+        assert statuses(resumed) == [(1, "committed"), (2, "committed"), (3, after)]
+        if hidden == "pending":
+            row = resumed.checkpoints(["failed"])[0]
+            assert row.error is not None
+            assert row.error.startswith("abandoned: its writer was replaced by writer epoch")
 
     reader = open_run("resume", db=db_url, store=store, writable=False)
     with reader:

@@ -150,8 +150,11 @@ def test_writer_killed_between_upload_and_commit(
         assert_same(loaded.state, expected)
 
         rows = run.checkpoints()
-        assert [(c.step, c.status) for c in rows] == [(1, "committed"), (2, "pending")]
+        # Opening the run as the new writer marked the dead writer's pending row failed.
+        assert [(c.step, c.status) for c in rows] == [(1, "committed"), (2, "failed")]
         pending = rows[1]
+        assert pending.error is not None
+        assert "abandoned" in pending.error
         assert pending.components == ()
         assert referenced(run, pending.id) == set()
         # Step 2's blobs reached the store but nothing references them: they are GC's.
@@ -167,7 +170,7 @@ def test_writer_killed_between_upload_and_commit(
         assert latest is not None
         assert (latest.step, latest.id) == (2, info.id)
         assert_same(run.load().state, redone)
-        assert statuses(run) == [(1, "committed"), (2, "pending"), (2, "committed")]
+        assert statuses(run) == [(1, "committed"), (2, "failed"), (2, "committed")]
 
 
 # -- 6. concurrent writers to different runs of one database ---------------------------------------
