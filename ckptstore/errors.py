@@ -21,7 +21,12 @@ class ObjectStoreError(CkptStoreError, OSError):
 
 
 class ObjectNotFoundError(ObjectStoreError, FileNotFoundError):
-    """The object (or bucket) does not exist."""
+    """The object does not exist."""
+
+
+class StoreNotFoundError(ObjectStoreError):
+    """The store itself (a bucket) does not exist, or holds none of what the manifest records:
+    the store URL is probably wrong. Never a reason to mark a checkpoint corrupt."""
 
 
 class StorePermissionError(ObjectStoreError, PermissionError):

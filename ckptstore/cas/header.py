@@ -4,7 +4,7 @@ Layout (little-endian), padded with zeros to a multiple of 64 bytes so the paylo
 blob is aligned for any dtype when read into memory::
 
     magic      4s   b"CKPB"
-    version    u8   1
+    version    u8   2
     kind       u8   0 chunk, 1 pack, 2 index
     codec      u8   0 raw, 1 zstd, 2 byte-grouped zstd
     itemsize   u8   element size the byte-grouping used (1 otherwise)
@@ -12,21 +12,27 @@ blob is aligned for any dtype when read into memory::
     stored_len u64  length of the payload that follows the header
     digest     32s  BLAKE3-256 of the raw bytes
     params_len u32  length of codec parameters that follow
+    crc        u32  CRC-32 of the header (this field as zero) and its params
     params     ...  codec parameters (byte-grouping: per plane u8 codec + u64 length)
+
+The digest checks the data; the CRC checks the header itself, so that a flipped bit which
+happens not to change the decoded bytes (a chunk read as a pack, say) is still reported.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+import zlib
 from dataclasses import dataclass
 
 from ckptstore.errors import IntegrityError
 
 MAGIC = b"CKPB"
-VERSION = 1
+VERSION = 2
 ALIGN = 64
-_FIXED = struct.Struct("<4sBBBBQQ32sI")
+_FIXED = struct.Struct("<4sBBBBQQ32sII")
+_CRC_AT = _FIXED.size - 4
 #: A header never needs more: the byte-grouping table holds at most 16 planes.
 MAX_HEADER = 512
 #: Hard limit on one blob's raw length; guards allocation against crafted headers.
@@ -71,8 +77,10 @@ class Header:
             self.stored_len,
             self.digest,
             len(self.params),
+            0,
         )
-        body = fixed + self.params
+        crc = zlib.crc32(self.params, zlib.crc32(fixed))
+        body = fixed[:_CRC_AT] + struct.pack("<I", crc) + self.params
         return body + bytes(self.size - len(body))
 
 
@@ -84,7 +92,7 @@ def decode_header(data: memoryview, where: str) -> Header:
     """Parse and sanity-check the header at the start of ``data`` (a whole stored object)."""
     if data.nbytes < _FIXED.size:
         raise IntegrityError(f"{where}: object is {data.nbytes} bytes, too short for a blob header")
-    magic, version, kind, codec, itemsize, raw_len, stored_len, digest, params_len = (
+    magic, version, kind, codec, itemsize, raw_len, stored_len, digest, params_len, crc = (
         _FIXED.unpack_from(data)
     )
     if magic != MAGIC:
@@ -100,8 +108,17 @@ def decode_header(data: memoryview, where: str) -> Header:
         raise IntegrityError(f"{where}: unknown blob kind {kind} or codec {codec}") from exc
     if params_len > MAX_HEADER or raw_len > MAX_RAW_LEN or itemsize < 1:
         raise IntegrityError(f"{where}: implausible blob header (corrupt or crafted)")
+    if codec_e is not Codec.BGZSTD and (itemsize != 1 or params_len != 0):
+        raise IntegrityError(
+            f"{where}: blob header has byte-grouping fields for codec {codec_e.name} (corrupt)"
+        )
     params = bytes(data[_FIXED.size : _FIXED.size + params_len])
+    unsealed = bytes(data[:_CRC_AT]) + bytes(4)
+    if zlib.crc32(params, zlib.crc32(unsealed)) != crc:
+        raise IntegrityError(f"{where}: blob header fails its checksum (corrupt)")
     header = Header(kind_e, codec_e, itemsize, raw_len, stored_len, bytes(digest), params)
+    if data.nbytes >= header.size and any(data[_FIXED.size + params_len : header.size]):
+        raise IntegrityError(f"{where}: blob header padding is not zero (corrupt)")
     if data.nbytes != header.size + stored_len:
         raise IntegrityError(
             f"{where}: object is {data.nbytes} bytes but its header declares "

@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy.exc import IntegrityError as SQLIntegrityError
 from sqlalchemy.orm import Session
 
-from ckptstore.cas.blobs import quarantine_blob
+from ckptstore.cas.blobs import MissingBlobError, quarantine_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.writer import BlobWriter, WriterOptions
 from ckptstore.checkpointer.retention import Candidate, RetentionPolicy, to_delete
@@ -40,6 +40,7 @@ from ckptstore.errors import (
     IntegrityError,
     ObjectNotFoundError,
     SaveError,
+    StoreNotFoundError,
 )
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
@@ -138,8 +139,12 @@ class SaveHandle:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> CheckpointInfo:
+        """The committed checkpoint. Raises ``TimeoutError`` (the save goes on) if ``timeout``
+        seconds pass first, ``SaveError`` (or ``FencedError``) if the save failed."""
         try:
             return self._future.result(timeout)
+        except TimeoutError:
+            raise  # still running: neither a failure nor reported
         except CkptStoreError as exc:
             self._reported = True
             if isinstance(exc, SaveError | FencedError):
@@ -293,10 +298,35 @@ class Run:
             request.flats.clear()  # the snapshot's views are no longer needed
             receipts.extend(request.receipts)
             info = self._commit(checkpoint_id, request, receipts)
+        except Exception as exc:
+            # The answer to a COMMIT that took effect can be lost with the connection: trust
+            # the row, not the error, so the writer and resume always agree.
+            done = self._committed_despite(checkpoint_id, exc)
+            if done is None:
+                self._mark_failed(checkpoint_id, exc)
+                raise
+            info = done
         except BaseException as exc:
             self._mark_failed(checkpoint_id, exc)
             raise
         self._apply_retention()
+        return info
+
+    def _committed_despite(self, checkpoint_id: int, exc: Exception) -> CheckpointInfo | None:
+        try:
+            with self.db.read() as session:
+                row = session.get(Checkpoint, checkpoint_id)
+                if row is None or row.status != Status.COMMITTED:
+                    return None
+                info = _info(row, self.name, q.components_of(session, checkpoint_id))
+        except Exception:  # the database is still unreachable: report the original error
+            return None
+        log.warning(
+            "checkpoint at step %d of run %r committed although the commit reported %r",
+            info.step,
+            self.name,
+            exc,
+        )
         return info
 
     def _commit(
@@ -403,7 +433,7 @@ class Run:
         reason = f"{type(exc).__name__}: {exc}"
         try:
             self.db.write(
-                lambda s: q.mark(s, checkpoint_id, Status.FAILED, reason),
+                lambda s: q.mark(s, checkpoint_id, Status.FAILED, reason, only_if=Status.PENDING),
                 what="marking a failed checkpoint",
             )
         except Exception:  # best effort: the row stays pending, which resume never sees
@@ -496,6 +526,8 @@ class Run:
             except IntegrityError as exc:
                 if not fallback:
                     raise
+                if isinstance(exc, MissingBlobError):
+                    self._check_store_holds(found.id, found.step, comps, exc)
                 self._mark_corrupt(found.id, found.step, exc)
                 skipped.append((found.step, str(exc)))
                 before = found.step
@@ -516,18 +548,44 @@ class Run:
                     f"run {self.name!r} step {step} has no component {name!r}; "
                     f"it has {sorted(names)}"
                 )
+        with self.db.read() as session:
+            # The manifest's record of each index's length bounds what a read may allocate.
+            rows = q.live_blobs(session, [c.index_digest for c in comps], lock=False)
+            sizes = {digest: row.logical_bytes for digest, row in rows.items()}
         state: dict[str, Any] = {}
         for comp in comps:
             if wanted is not None and comp.name not in wanted:
                 continue
             context = f"run {self.name!r}, step {step}, component {comp.name!r}"
+            size = sizes.get(comp.index_digest)
             if paths is not None and comp.name in paths:
                 state[comp.name] = load_paths(
-                    self.store, comp.index_digest, paths[comp.name], context=context
+                    self.store, comp.index_digest, paths[comp.name], context=context, index_len=size
                 )
             elif paths is None or wanted is not None or comp.name in paths:
-                state[comp.name] = load_component(self.store, comp.index_digest, context=context)
+                state[comp.name] = load_component(
+                    self.store, comp.index_digest, context=context, index_len=size
+                )
         return state
+
+    def _check_store_holds(
+        self, checkpoint_id: int, step: int, comps: Sequence[Any], exc: MissingBlobError
+    ) -> None:
+        """A missing blob makes a checkpoint corrupt only if the store is the right one: when
+        none of the checkpoint's other blobs are there either, the store URL is wrong (an empty
+        directory, another prefix), and marking anything corrupt would condemn good data."""
+        with self.db.read() as session:
+            others = [c.index_digest for c in comps] + q.checkpoint_digests(
+                session, checkpoint_id, limit=16
+            )
+        others = list(dict.fromkeys(d for d in others if d != exc.digest))
+        if not others or any(self.store.exists(blob_key(d)) for d in others):
+            return
+        raise StoreNotFoundError(
+            f"{exc}; none of the other {len(others)} blobs of run {self.name!r} step {step} "
+            f"that were looked for exist in {self.store.url} either. Is the store URL right "
+            "(--store, CKPTSTORE_STORE, the bucket and prefix)? Nothing was marked corrupt."
+        ) from exc
 
     def _mark_corrupt(self, checkpoint_id: int, step: int, exc: IntegrityError) -> None:
         log.error(
@@ -614,6 +672,10 @@ def _plain_json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any] | 
         raise ConfigError(
             f"{what} must be JSON-serializable (it is stored in the manifest database): {exc}"
         ) from exc
+    except RecursionError:
+        raise ConfigError(
+            f"{what} is nested too deeply to store in the manifest database; flatten it"
+        ) from None
 
 
 def _finite(value: Any) -> Any:

@@ -14,7 +14,12 @@ from sqlalchemy.orm import Session
 from ckptstore.cas.blobs import MissingBlobError, get_blob, quarantine_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
-from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
+from ckptstore.errors import (
+    CkptStoreError,
+    IntegrityError,
+    SerializationError,
+    StoreNotFoundError,
+)
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import Blob, Checkpoint, CheckpointBlob, Run, Status
@@ -31,7 +36,7 @@ class Problem:
     step: int
     component: str
     key: str
-    kind: str  # "missing" or "corrupt"
+    kind: str  # "missing", "corrupt" or "unreadable" (an index that does not parse)
     detail: str
 
 
@@ -106,17 +111,22 @@ def verify(
     targets = _targets(db, run, step)
     rng = random.Random(seed)
     verdicts: dict[str, tuple[str, str] | None] = {}  # digest -> (kind, detail) or None if ok
+    to_mark: list[tuple[_Target, tuple[str, str] | None, list[str]]] = []
     with ThreadPoolExecutor(workers) as pool:
         for target in targets:
             report.checkpoints += 1
+            unreadable: list[tuple[str, str]] = []
             # The index tells which component owns each blob, for the report.
             for digest, component in list(target.owners.items()):
                 if component == "?":
                     continue
                 try:
-                    index = read_index(store, digest)
-                except (IntegrityError, SerializationError):
+                    index = read_index(store, digest, index_len=target.sizes.get(digest))
+                except IntegrityError:
                     continue  # reported below when the blob itself is checked
+                except SerializationError as exc:
+                    unreadable.append((digest, str(exc)))  # intact bytes, but no valid index
+                    continue
                 for blob in index.digests:
                     target.owners[blob] = component
             todo = list(target.owners)
@@ -144,10 +154,29 @@ def verify(
                         verdict[1],
                     )
                 )
-            if bad:
+            for digest, detail in unreadable:
+                report.problems.append(
+                    Problem(
+                        target.run,
+                        target.step,
+                        target.owners[digest],
+                        f"{store.url}/{blob_key(digest)}",
+                        "unreadable",
+                        detail,
+                    )
+                )
+            if bad or unreadable:
                 report.corrupt_checkpoints.append((target.run, target.step))
-                if mark_corrupt:
-                    _mark(db, store, target, bad[0][1], [d for d, _ in bad])
+            if bad and mark_corrupt:
+                to_mark.append((target, bad[0][1], [d for d, _ in bad]))
+    seen = list(verdicts.values())
+    if len(seen) >= 2 and all(v is not None and v[0] == "missing" for v in seen):
+        raise StoreNotFoundError(
+            f"none of the {len(seen)} blobs checked exist in {store.url}: is the store URL "
+            "right (--store, CKPTSTORE_STORE, the bucket and prefix)? Nothing was marked corrupt."
+        )
+    for target, verdict, digests in to_mark:
+        _mark(db, store, target, verdict, digests)
     return report
 
 

@@ -26,7 +26,7 @@ from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError
+from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore.errors import ConfigError, DatabaseError, SchemaError
@@ -105,6 +105,11 @@ def known_revisions() -> set[str]:
     return {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
 
 
+def _one_line(error: object) -> str:
+    """A driver's message on one line (libpq's span several: "...\n\tIs the server running")."""
+    return " ".join(str(error).split())
+
+
 def _is_contention(exc: BaseException) -> bool:
     if not isinstance(exc, DBAPIError):
         return False
@@ -173,7 +178,7 @@ class Database:
                 return MigrationContext.configure(conn).get_current_revision()
         except OperationalError as exc:
             raise DatabaseError(
-                f"cannot reach the manifest database {redact(self.url)}: {exc.orig}; "
+                f"cannot reach the manifest database {redact(self.url)}: {_one_line(exc.orig)}; "
                 "check the URL and that the server is running"
             ) from exc
 
@@ -264,7 +269,15 @@ class Database:
         Objects loaded inside stay usable afterwards (closed, not expired).
         """
         with self._sessions() as session:
-            yield session
+            try:
+                yield session
+            except DBAPIError as exc:
+                if not isinstance(exc, OperationalError | InterfaceError):
+                    raise
+                raise DatabaseError(
+                    f"reading {redact(self.url)} failed: {_one_line(exc.orig)}; check that the "
+                    "database is reachable"
+                ) from exc
 
     def write(self, fn: Callable[[Session], T], *, what: str = "database write") -> T:
         """Run ``fn`` in one write transaction, retrying the whole of it on contention."""
@@ -277,7 +290,7 @@ class Database:
                 if not _is_contention(exc) or attempt >= _RETRIES:
                     if isinstance(exc, OperationalError) and not _is_contention(exc):
                         raise DatabaseError(
-                            f"{what} on {redact(self.url)} failed: {exc.orig}"
+                            f"{what} on {redact(self.url)} failed: {_one_line(exc.orig)}"
                         ) from exc
                     raise
                 pause = random.uniform(0, min(2.0, 0.05 * 2**attempt))

@@ -150,12 +150,25 @@ def begin_checkpoint(session: Session, run_id: int, step: int, epoch: int, trigg
     return row.id
 
 
-def mark(session: Session, checkpoint_id: int, status: Status, error: str | None) -> None:
-    session.execute(
+def mark(
+    session: Session,
+    checkpoint_id: int,
+    status: Status,
+    error: str | None,
+    *,
+    only_if: Status | None = None,
+) -> bool:
+    """Set a checkpoint's status (if it is ``only_if``, when given); True if it changed."""
+    condition = [Checkpoint.id == checkpoint_id]
+    if only_if is not None:
+        condition.append(Checkpoint.status == only_if)
+    result = session.execute(
         update(Checkpoint)
-        .where(Checkpoint.id == checkpoint_id)
+        .where(*condition)
         .values(status=status, error=(error or "")[:4000] or None)
+        .execution_options(synchronize_session=False)
     )
+    return bool(getattr(result, "rowcount", 0))
 
 
 def blob_state(session: Session, digest: str) -> str | None:
@@ -171,12 +184,13 @@ def condemn_blob(session: Session, digest: str) -> None:
     )
 
 
-def live_blobs(session: Session, digests: Sequence[str]) -> dict[str, Blob]:
-    """Rows of ``digests`` (locked for update on PostgreSQL)."""
+def live_blobs(session: Session, digests: Sequence[str], *, lock: bool = True) -> dict[str, Blob]:
+    """Rows of ``digests`` (locked for update on PostgreSQL unless ``lock`` is False)."""
     found: dict[str, Blob] = {}
     for i in range(0, len(digests), _BATCH):
         chunk = digests[i : i + _BATCH]
-        rows = session.scalars(select(Blob).where(Blob.digest.in_(chunk)).with_for_update())
+        query = select(Blob).where(Blob.digest.in_(chunk))
+        rows = session.scalars(query.with_for_update() if lock else query)
         found.update((row.digest, row) for row in rows)
     return found
 
@@ -333,6 +347,18 @@ def checkpoints_of(
     if statuses:
         query = query.where(Checkpoint.status.in_(statuses))
     return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
+
+
+def checkpoint_digests(session: Session, checkpoint_id: int, *, limit: int) -> list[str]:
+    """Up to ``limit`` digests the checkpoint references."""
+    return list(
+        session.scalars(
+            select(CheckpointBlob.digest)
+            .where(CheckpointBlob.checkpoint_id == checkpoint_id)
+            .order_by(CheckpointBlob.digest)
+            .limit(limit)
+        )
+    )
 
 
 def mark_deleted(session: Session, ids: Iterable[int]) -> None:

@@ -27,6 +27,7 @@ from ckptstore.errors import (
     ConfigError,
     ObjectNotFoundError,
     ObjectStoreError,
+    StoreNotFoundError,
     StorePermissionError,
 )
 from ckptstore.objectstore._retry import RetryPolicy, call_with_retries
@@ -138,6 +139,13 @@ class S3Store(ObjectStore):
                 or os.environ.get("AWS_ENDPOINT_URL_S3")
                 or os.environ.get("AWS_ENDPOINT_URL")
             )
+            if endpoint and "@" in urlsplit(endpoint).netloc:
+                raise ConfigError(
+                    f"the S3 endpoint URL {_redact(endpoint)} embeds credentials "
+                    "(user:password@): boto3 never uses them and they would end up in logs. "
+                    "Remove them and give credentials through boto3's chain "
+                    "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...)"
+                )
             style = addressing_style or ("path" if endpoint else "auto")
             config = Config(
                 retries={"total_max_attempts": 1, "mode": "standard"},
@@ -197,7 +205,7 @@ class S3Store(ObjectStore):
         message = exc.response.get("Error", {}).get("Message", "")
         where = f"{self.url}/{key}"
         if code == "NoSuchBucket":
-            return ObjectNotFoundError(
+            return StoreNotFoundError(
                 f"{action} {where}: bucket {self.bucket!r} does not exist at {self.endpoint}; "
                 "create it or fix the store URL"
             )

@@ -41,11 +41,16 @@ def max_blob_len(targets: Iterable[tuple[str, int, int]]) -> int:
     return end + toc
 
 
-def read_index(store: ObjectStore, index_digest: str, *, context: str = "") -> ComponentIndex:
-    """Fetch, verify and validate a component's index."""
-    header, raw = get_blob(
-        store, index_digest, context=_ctx(context, "index"), max_raw_len=MAX_INDEX_BYTES
-    )
+def read_index(
+    store: ObjectStore, index_digest: str, *, context: str = "", index_len: int | None = None
+) -> ComponentIndex:
+    """Fetch, verify and validate a component's index.
+
+    ``index_len`` is the index's raw length as the manifest recorded it, when known: a stored
+    object declaring another length is refused before anything is allocated for it.
+    """
+    bound = MAX_INDEX_BYTES if index_len is None else min(index_len, MAX_INDEX_BYTES)
+    header, raw = get_blob(store, index_digest, context=_ctx(context, "index"), max_raw_len=bound)
     where = f"index {index_digest}" + (f" ({context})" if context else "")
     if header.kind is not Kind.INDEX:
         raise IntegrityError(f"{where}: blob is a {header.kind.name.lower()}, not an index")
@@ -174,15 +179,22 @@ def load_entries(
 
 
 def load_component(
-    store: ObjectStore, index_digest: str, *, context: str = "", max_workers: int = 0
+    store: ObjectStore,
+    index_digest: str,
+    *,
+    context: str = "",
+    max_workers: int = 0,
+    index_len: int | None = None,
 ) -> Any:
     """Load a whole component back into its original structure."""
-    index = read_index(store, index_digest, context=context)
+    index = read_index(store, index_digest, context=context, index_len=index_len)
     values = load_entries(
         store, index, range(len(index.entries)), context=context, max_workers=max_workers
     )
     ordered = [values[i] for i in range(len(index.entries))]
-    return rebuild(index.tree, ordered, f"index {index_digest}")
+    return rebuild(
+        index.tree, ordered, f"index {index_digest}" + (f" ({context})" if context else "")
+    )
 
 
 def select(index: ComponentIndex, paths: Iterable[str]) -> list[int]:
@@ -206,10 +218,11 @@ def load_paths(
     paths: Iterable[str],
     *,
     context: str = "",
+    index_len: int | None = None,
     max_workers: int = 0,
 ) -> dict[str, Any]:
     """Load only the named entries (or subtrees); returns path -> value."""
-    index = read_index(store, index_digest, context=context)
+    index = read_index(store, index_digest, context=context, index_len=index_len)
     positions = select(index, paths)
     values = load_entries(store, index, positions, context=context, max_workers=max_workers)
     return {index.entries[i].path: values[i] for i in positions}

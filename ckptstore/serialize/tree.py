@@ -181,7 +181,11 @@ def _numpy_leaf(value: np.ndarray | np.generic, path: str, *, copy: bool) -> Lea
 
 def rebuild(node: Any, entries: list[Any], where: str, depth: int = 0) -> Any:
     """Rebuild the structure from a validated tree and the loaded entry values."""
-    if depth > MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+    if depth > MAX_DEPTH:
+        raise SerializationError(
+            f"{where}: the structure is nested deeper than {MAX_DEPTH} levels (corrupt or crafted)"
+        )
+    if not isinstance(node, dict) or len(node) != 1:
         raise SerializationError(f"{where}: malformed structure node")
     ((tag, body),) = node.items()
     if tag == "e":

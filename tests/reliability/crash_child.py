@@ -258,9 +258,9 @@ def install(switch: Switch, store: ObjectStore) -> None:
     # Inside the commit transaction: the run row is locked, blobs are about to be re-checked.
     revalidate = Run._revalidate
 
-    def _revalidate(self: Run, claims: Any, existing: Any) -> None:
+    def _revalidate(self: Run, claims: Any, existing: Any) -> dict[str, int]:
         switch.hit("commit.revalidate")
-        revalidate(self, claims, existing)
+        return revalidate(self, claims, existing)
 
     Run._revalidate = _revalidate  # type: ignore[method-assign]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,13 @@ from ckptstore.serialize.compare import first_difference
 
 MiB = 1 << 20
 #: The documented fixed header layout (header.py), written out here independently.
-FIXED = struct.Struct("<4sBBBBQQ32sI")
+FIXED = struct.Struct("<4sBBBBQQ32sII")
+
+
+def sealed(fixed: bytes, params: bytes) -> bytes:
+    """The fixed header fields (CRC field zero) and params, with the documented CRC-32 set."""
+    crc = zlib.crc32(params, zlib.crc32(fixed))
+    return fixed[:-4] + struct.pack("<I", crc) + params
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -98,7 +105,7 @@ def crafted_object(
     raw: bytes,
     *,
     magic: bytes = MAGIC,
-    version: int = 1,
+    version: int = 2,
     kind: int = 0,
     codec: int = 0,
     itemsize: int = 1,
@@ -119,8 +126,9 @@ def crafted_object(
         len(raw) if stored_len is None else stored_len,
         bytes.fromhex((digest or digest_bytes(raw))[3:]),
         len(params) if params_len is None else params_len,
+        0,
     )
-    body = fixed + params
+    body = sealed(fixed, params)
     return body + bytes(-len(body) % ALIGN) + raw
 
 
@@ -182,9 +190,9 @@ def test_stored_object_layout_matches_the_documented_header(store: LocalStore) -
     on_disk = object_path(store, ref.digest).read_bytes()
     assert on_disk.startswith(b"CKPB")
     fields = FIXED.unpack_from(on_disk)
-    assert fields == (
+    assert fields[:-1] == (
         MAGIC,
-        1,
+        2,
         Kind.CHUNK,
         Codec.RAW,
         1,
@@ -193,6 +201,7 @@ def test_stored_object_layout_matches_the_documented_header(store: LocalStore) -
         bytes.fromhex(ref.digest[3:]),
         0,
     )
+    assert fields[-1] == zlib.crc32(on_disk[: FIXED.size - 4] + bytes(4))
     # Padded to 64 bytes so a raw payload is aligned for any dtype.
     assert on_disk[FIXED.size : ALIGN] == bytes(ALIGN - FIXED.size)
     assert on_disk[ALIGN:] == raw
@@ -246,7 +255,7 @@ def test_put_blob_of_an_existing_blob_uploads_nothing(store: LocalStore) -> None
 
 BAD_HEADERS: dict[str, dict[str, Any]] = {
     "bad magic": {"magic": b"PKZIP"[:4]},
-    "future version": {"version": 2},
+    "future version": {"version": 3},
     "version zero": {"version": 0},
     "unknown kind": {"kind": 7},
     "unknown codec": {"codec": 9},

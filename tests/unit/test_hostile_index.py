@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from ckptstore.serialize import load_component, load_paths, write_component
 from ckptstore.serialize.tree import MAX_DEPTH
 
 REFUSED = (SerializationError, IntegrityError)
-FIXED = struct.Struct("<4sBBBBQQ32sI")
+FIXED = struct.Struct("<4sBBBBQQ32sII")
 E18 = 10**18
 
 
@@ -368,7 +369,7 @@ def test_an_index_blob_is_not_accepted_as_data(store: LocalStore) -> None:
 def crafted(raw_len: int, stored: bytes, digest: str, **fields: Any) -> bytes:
     values = {
         "magic": MAGIC,
-        "version": 1,
+        "version": 2,
         "kind": Kind.CHUNK,
         "codec": Codec.RAW,
         "itemsize": 1,
@@ -378,8 +379,9 @@ def crafted(raw_len: int, stored: bytes, digest: str, **fields: Any) -> bytes:
         "params": b"",
     } | fields
     params = values.pop("params")
-    fixed = FIXED.pack(*values.values(), len(params))
-    body = fixed + params
+    fixed = FIXED.pack(*values.values(), len(params), 0)
+    crc = zlib.crc32(params, zlib.crc32(fixed))
+    body = fixed[:-4] + struct.pack("<I", crc) + params
     return body + bytes(-len(body) % ALIGN) + stored
 
 

@@ -31,6 +31,7 @@ from ckptstore.errors import (
     ConfigError,
     ObjectNotFoundError,
     ObjectStoreError,
+    StoreNotFoundError,
     StorePermissionError,
 )
 from ckptstore.objectstore import LocalStore, ObjectStore, RetryPolicy, S3Store, open_store
@@ -467,21 +468,27 @@ def test_client_errors_are_not_retried(
         pytest.param(lambda s: s.delete(["cas/k"]), id="delete"),
     ],
 )
-def test_missing_bucket_raises_not_found_naming_the_url(
+def test_missing_bucket_raises_store_not_found_naming_the_url(
     factory: S3StoreFactory, call: Callable[[ObjectStore], object]
 ) -> None:
     store = factory(bucket="no-such-bucket-here", retry=FAST, **MULTIPART_OPTIONS)
-    with pytest.raises(ObjectNotFoundError) as info:
+    with pytest.raises(ObjectStoreError) as info:
         call(store)
     message = str(info.value)
-    assert isinstance(info.value, FileNotFoundError)
+    # A missing bucket is never mistaken for a missing object (that would make a checkpoint
+    # look corrupt), except by HEAD: S3 answers it with a bare 404 that names nothing.
+    if "head" in message:
+        assert isinstance(info.value, ObjectNotFoundError)
+    else:
+        assert isinstance(info.value, StoreNotFoundError)
+        assert not isinstance(info.value, FileNotFoundError)
     assert "s3://no-such-bucket-here/" in message
     assert "cas/k" in message
 
 
 def test_missing_bucket_message_says_what_to_do(factory: S3StoreFactory) -> None:
     store = factory(bucket="no-such-bucket-here", retry=FAST)
-    with pytest.raises(ObjectNotFoundError, match="bucket 'no-such-bucket-here' does not exist"):
+    with pytest.raises(StoreNotFoundError, match=r"bucket .no-such-bucket-here. does not exist"):
         store.get("cas/k")
 
 
@@ -518,32 +525,19 @@ def test_errors_and_logs_never_contain_the_secret_key(
     assert SECRET not in repr(store)
 
 
-def test_credentials_in_the_endpoint_url_are_never_printed(
-    caplog: pytest.LogCaptureFixture,
+def test_credentials_in_the_endpoint_url_are_refused_without_echoing_them(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    port = s3servers.free_port_pairs(1)[0]  # nothing listens there
-    store = S3Store(
-        "bucket",
-        "prefix",
-        endpoint_url=f"http://user:{SECRET}@127.0.0.1:{port}",
-        retry=RetryPolicy(max_attempts=2, base_delay=0.001, max_delay=0.01),
-        connect_timeout=1,
-    )
-    try:
-        with (
-            caplog.at_level(logging.WARNING, "ckptstore.objectstore"),
-            pytest.raises(ObjectStoreError) as info,
-        ):
-            store.get("cas/k")
-        message = str(info.value)
-        assert f"http://127.0.0.1:{port}" in message
-        assert "s3://bucket/prefix/cas/k" in message
-        assert SECRET not in message
-        assert len(retry_warnings(caplog)) == 1
-        assert SECRET not in caplog.text
-        assert SECRET not in repr(store)
-    finally:
-        store.close()
+    port = s3servers.free_port_pairs(1)[0]
+    url = f"http://user:{SECRET}@127.0.0.1:{port}"
+    with pytest.raises(ConfigError, match="embeds credentials") as info:
+        S3Store("bucket", "prefix", endpoint_url=url)
+    assert SECRET not in str(info.value)
+    assert f"http://127.0.0.1:{port}" in str(info.value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", url)  # from boto3's configuration: refused too
+    with pytest.raises(ConfigError, match="embeds credentials") as info:
+        S3Store("bucket", "prefix")
+    assert SECRET not in str(info.value)
 
 
 def test_unreachable_endpoint_names_it(caplog: pytest.LogCaptureFixture) -> None:
