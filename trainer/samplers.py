@@ -74,6 +74,7 @@ class WindowedSampler(PromptGroupSampler):
     name = "windowed"
 
     def select(self, ready: list[Group], trainer_version: int, count: int) -> list[Group]:
+        """Oldest weights first (then dispatch order), within the window."""
         fresh = [g for g in ready if self.in_window(g, trainer_version)]
         return sorted(fresh, key=lambda g: (g.start_weight, g.dispatch_index))[:count]
 
@@ -89,23 +90,12 @@ class WindowedSampler(PromptGroupSampler):
         return self.max_staleness_versions == 0
 
 
-class WeightFifoSampler(PromptGroupSampler):
-    """Gated; oldest in-window groups first; out-of-window ones are dropped (they hold permits)."""
+class WeightFifoSampler(WindowedSampler):
+    """Gated; oldest in-window groups first. Out-of-window groups are dropped (they hold
+    permits), and rollouts that would land out of the window are aborted."""
 
     name = "weight_fifo"
     gated = True
-
-    def select(self, ready: list[Group], trainer_version: int, count: int) -> list[Group]:
-        fresh = [g for g in ready if self.in_window(g, trainer_version)]
-        return sorted(fresh, key=lambda g: (g.start_weight, g.dispatch_index))[:count]
-
-    def evict(self, groups: list[Group], trainer_version: int) -> list[Group]:
-        floor = trainer_version - self.max_staleness_versions
-        return [g for g in groups if g.ready and g.start_weight < floor]
-
-    def should_abort_inflight(self, group: Group, trainer_version: int) -> bool:
-        # Finishing it would be wasted work: it would be evicted the moment it is ready.
-        return group.start_weight < trainer_version - self.max_staleness_versions
 
     def required_buffer_capacity(self, prompts_per_step: int) -> int:
         return prompts_per_step * self.gate_window

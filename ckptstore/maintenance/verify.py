@@ -142,29 +142,12 @@ def verify(
                 if progress:
                     progress(1)
             bad = [(d, verdicts[d]) for d in todo if verdicts[d] is not None]
-            for digest, verdict in bad:
-                assert verdict is not None
-                report.problems.append(
-                    Problem(
-                        target.run,
-                        target.step,
-                        target.owners[digest],
-                        f"{store.url}/{blob_key(digest)}",
-                        verdict[0],
-                        verdict[1],
-                    )
-                )
-            for digest, detail in unreadable:
-                report.problems.append(
-                    Problem(
-                        target.run,
-                        target.step,
-                        target.owners[digest],
-                        f"{store.url}/{blob_key(digest)}",
-                        "unreadable",
-                        detail,
-                    )
-                )
+            found = [(d, v[0], v[1]) for d, v in bad if v is not None]
+            found += [(d, "unreadable", detail) for d, detail in unreadable]
+            for digest, kind, detail in found:
+                key = f"{store.url}/{blob_key(digest)}"
+                owner = target.owners[digest]
+                report.problems.append(Problem(target.run, target.step, owner, key, kind, detail))
             if bad or unreadable:
                 report.corrupt_checkpoints.append((target.run, target.step))
             if bad and mark_corrupt:

@@ -341,7 +341,8 @@ def test_required_buffer_capacity(
         (WindowedSampler, {"max_staleness_versions": 1}, False),
         (InOrderSampler, {"gate_window": 1, "max_staleness_versions": 0}, False),
         (InOrderSampler, {"gate_window": 2, "max_staleness_versions": 0}, False),
-        (WeightFifoSampler, {"max_staleness_versions": 0}, False),
+        (WeightFifoSampler, {"max_staleness_versions": 0}, True),
+        (WeightFifoSampler, {"max_staleness_versions": 1}, False),
         (ReadyFirstSampler, {"max_staleness_versions": 0}, False),
     ],
 )
@@ -421,6 +422,7 @@ def test_simulated_training_stays_within_the_staleness_bound(
         (WindowedSampler, {"max_staleness_versions": 0}),
         (WindowedSampler, {"max_staleness_versions": 1}),
         (WeightFifoSampler, {"max_staleness_versions": 1}),
+        (WeightFifoSampler, {"max_staleness_versions": 0, "gate_window": 2}),
         (ReadyFirstSampler, {}),
         (InOrderSampler, {"gate_window": 2}),
         (InOrderSampler, {"gate_window": 1}),
