@@ -89,6 +89,8 @@ def load_config(config_file: str | Path | None, overrides: Sequence[str]) -> Dic
             cfg = OmegaConf.merge(cfg, layer)
     except Exception as exc:  # omegaconf's errors name the key; keep them to one line
         message = str(exc).splitlines()[0]
+        if "is not in struct" in message:
+            message += " (unknown config key; trainer/config.py lists every key)"
         raise SystemExit(f"error: bad configuration: {message}") from None
     check_config(cfg)
     return cfg
