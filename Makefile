@@ -35,9 +35,10 @@ test: $(VENV)/.installed-dev
 test-slow: $(VENV)/.installed-dev
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
-## stress: the long reliability tier (crash points, faults, GC against writers); prints its figures
+## stress: the whole reliability suite, its fast tier and the long -m stress tier (crash
+## points, faults, GC against writers on PostgreSQL + SeaweedFS); prints a line per family
 stress: $(VENV)/.installed-dev
-	$(PY) -m pytest -m stress tests/reliability $(PYTEST_ARGS)
+	$(PY) -m pytest tests/reliability $(PYTEST_ARGS)
 
 ## lint: ruff (lint + format check) and mypy on the library
 lint: $(VENV)/.installed-dev
