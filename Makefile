@@ -21,7 +21,7 @@ $(VENV)/.installed-dev: $(VENV)/.installed-core pyproject.toml
 	touch $@
 
 # Each demo run trains for about 20 s (the time budget counts from process start), saves and
-# stops; the next run resumes. DEMO_ARGS= (empty) trains all 60 steps in one go.
+# stops; the next run resumes. DEMO_ARGS= (empty) trains all 200 steps in one go.
 DEMO_ARGS ?= checkpointing.checkpoint_must_save_by=00:00:00:20
 
 ## demo: set up and run the main job, the GRPO trainer, on the embedded default store

@@ -22,7 +22,7 @@ DEFAULTS: dict[str, Any] = {
     # The supervised warm-up that makes the base (reference) model, stored as its own run.
     "warmup": {"steps": 14, "batch_size": 64, "lr": 3.0e-3},
     "grpo": {
-        "max_num_steps": 60,
+        "max_num_steps": 200,
         "max_num_epochs": 100,
         "num_prompts_per_step": 8,
         "num_generations_per_prompt": 8,

@@ -386,7 +386,7 @@ class Controller:
                 self.emit(
                     f"run {self.run_name!r} is already at step {self.train_steps}, "
                     f"grpo.max_num_steps={self.max_steps}: nothing to train. Raise "
-                    "grpo.max_num_steps to train further (e.g. grpo.max_num_steps=100)."
+                    "grpo.max_num_steps to train further (e.g. grpo.max_num_steps=300)."
                 )
                 self.stop = True
             rollout = asyncio.create_task(self._rollout_pump())
