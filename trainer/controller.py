@@ -50,6 +50,9 @@ from trainer.workers import PolicyWorker, RolloutWorker, policy_config
 
 log = logging.getLogger("trainer")
 
+#: Rollouts that may fail in a row (their prompts are dispatched again) before training stops.
+MAX_ROLLOUT_FAILURES = 3
+
 
 class TrainerError(RuntimeError):
     """A configuration or checkpoint problem the user must fix; the message says how."""
@@ -120,6 +123,8 @@ class Controller:
         self.redispatch: deque[tuple[Batch, Prompt]] = deque()
         self.inflight = 0
         self.aborted: set[int] = set()
+        self.rollout_failures = 0  # in a row
+        self.fatal: BaseException | None = None
         self.exhausted = False
         self.stop = False
         self.rollout_tasks: set[asyncio.Task[None]] = set()
@@ -450,24 +455,29 @@ class Controller:
     async def _rollout_pump(self) -> None:
         worker = 0
         while not self.stop:
-            if self.redispatch:
-                todo = []
-                while self.redispatch:
-                    todo.append(self.redispatch.popleft())
-            else:
-                await self._wait_until(
-                    lambda: (
-                        self.sampler.can_admit(self.train_steps)
+            # Prompts to dispatch again (restored, or whose rollout failed) go first and are
+            # not gated: they were admitted already.
+            await self._wait_until(
+                lambda: (
+                    bool(self.redispatch)
+                    or (
+                        not self.exhausted
+                        and self.sampler.can_admit(self.train_steps)
                         and self.inflight + self.prompts_per_step <= self.max_inflight
                     )
                 )
-                if self.stop:
-                    return
+            )
+            if self.stop:
+                return
+            if self.redispatch:
+                todo = list(self.redispatch)
+                self.redispatch.clear()
+            else:
                 batch = self._next_prompts()
                 if batch is None:
                     self.exhausted = True
                     await self._notify()
-                    return
+                    continue
                 todo = [(batch, p) for p in batch.prompts]
             for batch, prompt in todo:
                 await self.permits.acquire()
@@ -497,13 +507,20 @@ class Controller:
             for batch, prompt in todo:
                 self._drop(batch, prompt)
             if not isinstance(exc, asyncio.CancelledError):
-                log.exception("rollout failed; its prompts are re-queued")
+                self.rollout_failures += 1
+                if self.rollout_failures >= MAX_ROLLOUT_FAILURES:
+                    self.fatal = exc
+                    self.stop = True
+                    await self._notify()
+                    raise
+                log.exception("rollout failed; its prompts are dispatched again")
                 for batch, prompt in todo:
                     prompt.state = "waiting"
                     self._register(batch, prompt)
                     self.redispatch.append((batch, prompt))
             await self._notify()
             raise
+        self.rollout_failures = 0
         for (batch, prompt), result in zip(todo, results, strict=True):
             self.inflight -= 1
             if prompt.group_id in self.aborted:
@@ -576,6 +593,11 @@ class Controller:
                 return chosen is not None
 
             await self._wait_until(ready)
+            if self.fatal is not None:
+                raise TrainerError(
+                    f"rollouts failed {self.rollout_failures} times in a row, the last with "
+                    f"{type(self.fatal).__name__}: {self.fatal}"
+                ) from self.fatal
             if self.stop or chosen is None:
                 return
             if not chosen:  # rollouts exhausted and nothing left to train on

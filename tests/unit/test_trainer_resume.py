@@ -16,6 +16,7 @@ from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
 from trainer.config import parse_deadline
 from trainer.controller import Controller, TrainerError
+from trainer.workers import RolloutWorker
 
 
 def _run(cfg: dict[str, Any]) -> Any:
@@ -201,3 +202,35 @@ def test_shutdown_raises_a_failed_flush_and_chains_it_under_an_exception(tmp_pat
     original = ValueError("training blew up")
     during._close(original)  # never masks the exception in flight
     assert any("pending checkpoint save also failed" in note for note in original.__notes__)
+
+
+def test_a_failed_rollout_is_dispatched_again_and_no_prompt_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    extra = {"async_rl__sampler__name": "in_order", "async_rl__sampler__gate_window": 2}
+    clean, _ = train(small_config(tmp_path / "a", grpo__max_num_steps=4, **extra))
+    generate = RolloutWorker.generate
+    calls = {"n": 0}
+
+    def flaky(self: RolloutWorker, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        calls["n"] += 1
+        if calls["n"] in (2, 3):  # two failures in a row, then it recovers
+            raise RuntimeError("rollout worker lost")
+        return generate(self, requests)
+
+    monkeypatch.setattr(RolloutWorker, "generate", flaky)
+    flaky_run, _ = train(small_config(tmp_path / "b", grpo__max_num_steps=4, **extra))
+    assert [h["prompt_ids"] for h in flaky_run["history"]] == [
+        h["prompt_ids"] for h in clean["history"]
+    ]
+
+
+def test_rollouts_that_keep_failing_stop_training_with_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(self: RolloutWorker, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        raise RuntimeError("rollout worker lost")
+
+    monkeypatch.setattr(RolloutWorker, "generate", broken)
+    with pytest.raises(TrainerError, match=r"rollouts failed 3 times in a row.*worker lost"):
+        train(small_config(tmp_path))
