@@ -97,10 +97,15 @@ def decode_header(data: memoryview, where: str) -> Header:
     )
     if magic != MAGIC:
         raise IntegrityError(f"{where}: not a ckptstore blob (bad magic {bytes(magic)!r})")
+    if version > VERSION:
+        raise IntegrityError(
+            f"{where}: blob format version {version} is newer than this ckptstore reads "
+            f"({VERSION}); upgrade ckptstore (or the header is damaged)"
+        )
     if version != VERSION:
         raise IntegrityError(
-            f"{where}: blob format version {version} is not supported by this ckptstore "
-            f"(supports {VERSION}); upgrade ckptstore"
+            f"{where}: blob format version {version} is a pre-release format this ckptstore "
+            f"does not read (it reads {VERSION}), or the header is damaged"
         )
     try:
         kind_e, codec_e = Kind(kind), Codec(codec)

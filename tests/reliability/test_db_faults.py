@@ -47,6 +47,7 @@ from typing import Any
 
 import pytest
 import torch
+from manifest_rows import child_rows
 from sqlalchemy import Engine, create_engine, event, func, select, text
 from sqlalchemy.engine import Connection, make_url
 
@@ -54,7 +55,7 @@ from ckptstore.checkpointer import Run, open_run
 from ckptstore.errors import DatabaseError, SaveError
 from ckptstore.maintenance import verify
 from ckptstore.manifest import Database
-from ckptstore.manifest.models import Blob, CheckpointBlob, Component
+from ckptstore.manifest.models import Blob
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize.compare import first_difference
 
@@ -190,22 +191,6 @@ class BackendCutter:
 
 def _backend_pid(conn: Connection) -> int:
     return int(conn.connection.dbapi_connection.info.backend_pid)  # type: ignore[union-attr]
-
-
-def child_rows(run: Run, checkpoint_id: int) -> tuple[int, int]:
-    """(components, blob references) of one checkpoint."""
-    with run.db.read() as session:
-        components = session.scalar(
-            select(func.count())
-            .select_from(Component)
-            .where(Component.checkpoint_id == checkpoint_id)
-        )
-        refs = session.scalar(
-            select(func.count())
-            .select_from(CheckpointBlob)
-            .where(CheckpointBlob.checkpoint_id == checkpoint_id)
-        )
-    return int(components or 0), int(refs or 0)
 
 
 @pytest.fixture

@@ -28,14 +28,13 @@ from typing import Any
 import pytest
 import torch
 from faultproxy import KINDS, TRANSIENT_KINDS, FaultProxy
-from sqlalchemy import func, select
+from manifest_rows import child_rows
 from store_contract import MiB, S3Endpoint, S3StoreFactory
 
-from ckptstore.checkpointer import Run, open_run
+from ckptstore.checkpointer import open_run
 from ckptstore.errors import ObjectStoreError, SaveError
 from ckptstore.maintenance import verify
 from ckptstore.manifest import Database
-from ckptstore.manifest.models import CheckpointBlob, Component
 from ckptstore.objectstore import RetryPolicy, S3Store
 from ckptstore.serialize.compare import first_difference
 
@@ -84,22 +83,6 @@ def mismatch(loaded: dict[str, Any], expected: dict[str, Any]) -> str | None:
         if diff is not None:
             return diff
     return None
-
-
-def child_rows(run: Run, checkpoint_id: int) -> tuple[int, int]:
-    """(components, blob references) of one checkpoint, counted in the database."""
-    with run.db.read() as session:
-        components = session.scalar(
-            select(func.count())
-            .select_from(Component)
-            .where(Component.checkpoint_id == checkpoint_id)
-        )
-        refs = session.scalar(
-            select(func.count())
-            .select_from(CheckpointBlob)
-            .where(CheckpointBlob.checkpoint_id == checkpoint_id)
-        )
-    return int(components or 0), int(refs or 0)
 
 
 @pytest.fixture
