@@ -364,7 +364,7 @@ class Run:
             assert self.epoch is not None
             q.lock_run(session, self.id, self.epoch)
             q.hold_gc_lock_shared(session)
-            existing = q.live_blobs(session, list(claims))
+            existing = q.blob_rows(session, list(claims))
             for digest, size in self._revalidate(claims, existing).items():
                 claim = claims[digest]
                 if digest not in existing and not claim.uploaded and claim.stored_bytes != size:
@@ -550,7 +550,7 @@ class Run:
                 )
         with self.db.read() as session:
             # The manifest's record of each index's length bounds what a read may allocate.
-            rows = q.live_blobs(session, [c.index_digest for c in comps], lock=False)
+            rows = q.blob_rows(session, [c.index_digest for c in comps], lock=False)
             sizes = {digest: row.logical_bytes for digest, row in rows.items()}
         state: dict[str, Any] = {}
         for comp in comps:

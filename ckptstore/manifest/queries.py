@@ -184,8 +184,9 @@ def condemn_blob(session: Session, digest: str) -> None:
     )
 
 
-def live_blobs(session: Session, digests: Sequence[str], *, lock: bool = True) -> dict[str, Blob]:
-    """Rows of ``digests`` (locked for update on PostgreSQL unless ``lock`` is False)."""
+def blob_rows(session: Session, digests: Sequence[str], *, lock: bool = True) -> dict[str, Blob]:
+    """Rows of ``digests``, whatever their state (locked for update on PostgreSQL unless ``lock``
+    is False)."""
     found: dict[str, Blob] = {}
     for i in range(0, len(digests), _BATCH):
         chunk = digests[i : i + _BATCH]
@@ -199,7 +200,7 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
     """Insert rows for new blobs, claim existing ones, and reference them all."""
     now = utcnow()
     unique = {c.digest: c for c in claims}
-    existing = live_blobs(session, list(unique))
+    existing = blob_rows(session, list(unique))
     new_rows = [
         {
             "digest": c.digest,
