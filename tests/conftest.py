@@ -8,8 +8,10 @@ Store fixtures (each a fresh, empty location per test):
 - ``moto_server_store`` / ``moto_server_store_factory``: S3 on moto's HTTP server (integration).
 - ``any_store`` / ``store_factory``: parametrized over all four.
 
-A factory is called with backend options (``factory(multipart_threshold=...)``) and returns a
-new store over the same location; every store it opened is closed at teardown.
+A factory (:mod:`ckptstore.testing.factories`) is called with backend options
+(``factory(multipart_threshold=...)``) and returns a new store over the same location; every
+store it opened is closed at teardown. Each backend's tests in tests/objectstore/ hand theirs to
+the shared conformance suite, :mod:`ckptstore.testing.store`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from pathlib import Path
 import pytest
 import s3servers
 from moto import mock_aws
-from store_contract import LocalStoreFactory, S3Endpoint, S3StoreFactory, StoreFactory
 
 from ckptstore.objectstore import ObjectStore
+from ckptstore.testing.factories import LocalStoreFactory, S3Endpoint, S3StoreFactory, StoreFactory
 
 # Manifest-database fixtures (db_url on SQLite and PostgreSQL, pg_url, store) for every directory.
 pytest_plugins = ["dbfixtures"]

@@ -16,16 +16,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import boto3
-from botocore.config import Config
 from moto.server import ThreadedMotoServer
+
+# Also imported from here by test modules.
+from ckptstore.testing.factories import plain_client, random_bucket_name
 
 # gRPC listens on the HTTP port + 10000. Pick HTTP ports in [20000, 22768) so that both stay
 # below Linux's ephemeral range (32768+), where outgoing connections could take them first.
@@ -63,25 +62,6 @@ def free_port_pairs(count: int, rng: random.Random | None = None) -> list[int]:
             if len(chosen) == count:
                 return chosen
     raise RuntimeError(f"could not find {count} free port pairs on 127.0.0.1")
-
-
-def plain_client(endpoint_url: str | None = None) -> Any:
-    """A boto3 S3 client independent of ckptstore, for checking what is really in a bucket."""
-    return boto3.client(
-        "s3",
-        endpoint_url=endpoint_url,
-        region_name="us-east-1",
-        config=Config(
-            s3={"addressing_style": "path"},
-            retries={"total_max_attempts": 3, "mode": "standard"},
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        ),
-    )
-
-
-def random_bucket_name(tag: str = "ckpt") -> str:
-    return f"{tag}-{uuid.uuid4().hex[:20]}"
 
 
 @dataclass

@@ -1,58 +1,42 @@
-"""Object stores: one contract (:class:`ObjectStore`), a local-directory and an S3 backend."""
+"""Object stores: one contract (:class:`ObjectStore`) and the backends that open store URLs.
+
+:func:`open_store` picks the backend by the URL's scheme from a table (:mod:`.registry`);
+the built-in rows are below. A new backend is a module with its store class and an opener,
+and one :func:`register_backend` call. Remote backends send their requests through
+:class:`~ckptstore.objectstore.remote.RemoteCaller` (retries, error translation).
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-from urllib.parse import unquote, urlsplit
-
-from ckptstore.errors import ConfigError
-from ckptstore.objectstore._local import LocalStore
+from ckptstore.objectstore._local import LocalStore, open_file_url, open_path
 from ckptstore.objectstore._retry import RetryPolicy
-from ckptstore.objectstore._s3 import S3Store
+from ckptstore.objectstore._s3 import S3Store, open_s3_url
 from ckptstore.objectstore.base import BytesLike, ObjectInfo, ObjectStore, PutData
+from ckptstore.objectstore.registry import (
+    Backend,
+    Opener,
+    StoreURL,
+    backends,
+    open_store,
+    register_backend,
+)
 
 __all__ = [
+    "Backend",
     "BytesLike",
     "LocalStore",
     "ObjectInfo",
     "ObjectStore",
+    "Opener",
     "PutData",
     "RetryPolicy",
     "S3Store",
+    "StoreURL",
+    "backends",
     "open_store",
+    "register_backend",
 ]
 
-
-def open_store(url: str | Path, **options: Any) -> ObjectStore:
-    """Open the store at ``url``.
-
-    ``url`` is a local path, ``file:///abs/path`` or ``s3://bucket/prefix``. ``options`` go to
-    the backend's constructor (e.g. ``endpoint_url=`` for :class:`S3Store`).
-    """
-    if isinstance(url, Path):
-        return LocalStore(url, **options)
-    text = str(url).strip()
-    if not text:
-        raise ConfigError(
-            "empty store URL: give a directory, file:///abs/path or s3://bucket/prefix"
-        )
-    parts = urlsplit(text)
-    scheme = parts.scheme.lower()
-    if scheme == "s3":
-        if not parts.netloc:
-            raise ConfigError(f"store URL {text!r} has no bucket: use s3://bucket/prefix")
-        return S3Store(parts.netloc, unquote(parts.path).strip("/"), **options)
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise ConfigError(
-                f"store URL {text!r} names host {parts.netloc!r}: file URLs must be "
-                "file:///absolute/path"
-            )
-        return LocalStore(unquote(parts.path), **options)
-    if scheme and len(scheme) > 1:  # one letter is a Windows drive, not a scheme
-        raise ConfigError(
-            f"unsupported store URL scheme {scheme!r} in {text!r}: use a directory path, "
-            "file:///abs/path or s3://bucket/prefix"
-        )
-    return LocalStore(text, **options)
+register_backend("", open_path, description="a directory path")
+register_backend("file", open_file_url, description="file:///abs/path")
+register_backend("s3", open_s3_url, description="s3://bucket/prefix")

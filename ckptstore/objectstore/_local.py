@@ -15,11 +15,12 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from ckptstore.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from ckptstore.names import printable
 from ckptstore.objectstore.base import (
     TMP_PREFIX,
     ObjectInfo,
@@ -29,6 +30,7 @@ from ckptstore.objectstore.base import (
     check_key,
     clip_range,
 )
+from ckptstore.objectstore.registry import StoreURL
 
 
 class LocalStore(ObjectStore):
@@ -37,21 +39,49 @@ class LocalStore(ObjectStore):
     write_bandwidth_hint = 1.5e9
     read_concurrency = max(2, os.cpu_count() or 2)
 
-    def __init__(self, root: str | os.PathLike[str], *, fsync: bool = True) -> None:
-        self.root = Path(root).expanduser().resolve()
-        self._fsync = fsync
+    def __init__(
+        self, root: str | os.PathLike[str], *, fsync: bool = True, create: bool = True
+    ) -> None:
+        """Open the store in directory ``root``.
+
+        Args:
+            root: The store's directory.
+            fsync: Flush every new object and directory entry to disk.
+            create: Make ``root`` (and its parents) if it is missing. Without it a missing
+                ``root`` is a :class:`ConfigError` and nothing is created, so a mistyped path
+                given to a read-only tool leaves no trace.
+        """
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
+            self.root = Path(root).expanduser().resolve()
+        except (RuntimeError, ValueError, OSError) as exc:  # ~nosuchuser, a NUL byte
             raise ConfigError(
-                f"cannot create the local store directory {self.root}: {exc.strerror}; "
-                "choose a writable path"
+                f"invalid local store path '{printable(os.fspath(root))}': {exc}"
             ) from exc
-        if not self.root.is_dir():
-            raise ConfigError(f"local store root {self.root} exists but is not a directory")
+        self._fsync = fsync
+        where = printable(self.root)
+        try:
+            if create:
+                self.root.mkdir(parents=True, exist_ok=True)
+            elif not self.root.exists():
+                raise ConfigError(
+                    f"no object store at {where} (--store / $CKPTSTORE_STORE); nothing was "
+                    "created. Check the path; a store is created by the first save"
+                )
+            is_dir = self.root.is_dir()
+        except FileExistsError:
+            is_dir = False  # mkdir found a file there
+        except OSError as exc:  # too long a name, a parent that is no directory, no access
+            action = "create" if create else "open"
+            raise ConfigError(
+                f"cannot {action} the local store directory {where}: {exc.strerror or exc}; "
+                "choose another path"
+            ) from exc
+        if not is_dir:
+            raise ConfigError(f"local store root {where} exists but is not a directory")
 
     @property
     def url(self) -> str:
+        """The store's URL, as ``open_store`` takes it."""
         return self.root.as_uri()
 
     def _path(self, key: str) -> Path:
@@ -61,6 +91,7 @@ class LocalStore(ObjectStore):
         return ObjectStoreError(f"{action} {self.url}/{key} failed: {exc.strerror or exc}")
 
     def put(self, key: str, data: PutData) -> bool:
+        """Create ``key`` with ``data`` (an existing key is success); True if this call made it."""
         path = self._path(key)
         if path.exists():
             if path.is_dir():
@@ -91,6 +122,7 @@ class LocalStore(ObjectStore):
             _unlink_quietly(tmp)
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        """The object's bytes (or ``byte_range`` of them)."""
         with self._open(key) as f:
             start, stop = clip_range(byte_range, os.fstat(f.fileno()).st_size)
             buf = bytearray(stop - start)
@@ -98,6 +130,7 @@ class LocalStore(ObjectStore):
             return buf
 
     def get_view(self, key: str) -> memoryview:
+        """The object's bytes as a read-only view, without a copy where the backend allows."""
         with self._open(key) as f:
             # numpy.empty leaves the pages untouched: reading into them is the first touch,
             # where a bytearray would zero-fill the whole object first.
@@ -133,6 +166,7 @@ class LocalStore(ObjectStore):
             got += n
 
     def head(self, key: str) -> ObjectInfo:
+        """The object's size and modification time."""
         try:
             st = self._path(key).stat()
         except (FileNotFoundError, NotADirectoryError) as exc:
@@ -144,6 +178,7 @@ class LocalStore(ObjectStore):
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (missing ones are fine), in batches."""
         for key in keys:
             path = self._path(key)
             try:
@@ -179,6 +214,7 @@ class LocalStore(ObjectStore):
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the directory that can hold the prefix, not the whole tree.
+        """Every object under ``prefix`` (GC and fsck only, never on the save or resume path)."""
         head, _, _ = prefix.rpartition("/")
         start = self.root / head if head else self.root
         if head:
@@ -218,6 +254,21 @@ class LocalStore(ObjectStore):
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def open_path(url: StoreURL, *, create: bool, **options: Any) -> LocalStore:
+    """The store in the directory a plain path (a URL without scheme) names."""
+    return LocalStore(url.text, create=create, **options)
+
+
+def open_file_url(url: StoreURL, *, create: bool, **options: Any) -> LocalStore:
+    """The store in the directory of a ``file:///absolute/path`` URL."""
+    if url.parts.netloc not in ("", "localhost"):
+        raise ConfigError(
+            f"store URL '{printable(url.text)}' names host '{printable(url.parts.netloc)}': "
+            "file URLs must be file:///absolute/path"
+        )
+    return LocalStore(url.path, create=create, **options)
 
 
 def _write_all(fd: int, parts: list[memoryview]) -> None:

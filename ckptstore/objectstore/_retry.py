@@ -47,17 +47,19 @@ def call_with_retries(
 ) -> T:
     """Call ``fn`` until it succeeds, a fault is not transient, or attempts run out.
 
+    Each retry is logged at DEBUG only: a fault that outlasts the retries reaches the caller
+    as the one error to report, and one that heals is noted once, at INFO, when it does.
     ``redact`` cleans a fault's text before it is logged (e.g. of credentials in a URL).
     """
     attempt = 1
     while True:
         try:
-            return fn()
+            result = fn()
         except Exception as exc:
             if attempt >= policy.max_attempts or not is_transient(exc):
                 raise
             pause = policy.delay(attempt)
-            log.warning(
+            log.debug(
                 "%s: transient fault (%s: %s), attempt %d/%d, retrying in %.2fs",
                 describe(),
                 type(exc).__name__,
@@ -68,3 +70,7 @@ def call_with_retries(
             )
             time.sleep(pause)
             attempt += 1
+        else:
+            if attempt > 1:
+                log.info("%s: succeeded on attempt %d after transient faults", describe(), attempt)
+            return result

@@ -2,12 +2,15 @@
 
 Credentials come only from boto3's normal chain (environment, profile, instance role); this
 module never stores or prints them. botocore's own retries are turned off so that one policy
-(:mod:`._retry`) covers every request, including reading a response body that was cut short.
+covers every request, including reading a response body that was cut short: every request goes
+through a :class:`~ckptstore.objectstore.remote.RemoteCaller`, and :func:`classify` is all this
+module tells it about botocore's exceptions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import re
@@ -23,14 +26,9 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
-from ckptstore.errors import (
-    ConfigError,
-    ObjectNotFoundError,
-    ObjectStoreError,
-    StoreNotFoundError,
-    StorePermissionError,
-)
-from ckptstore.objectstore._retry import RetryPolicy, call_with_retries
+from ckptstore.errors import ConfigError, ObjectStoreError
+from ckptstore.names import printable
+from ckptstore.objectstore._retry import RetryPolicy
 from ckptstore.objectstore.base import (
     ObjectInfo,
     ObjectStore,
@@ -40,6 +38,8 @@ from ckptstore.objectstore.base import (
     clip_range,
     parts_size,
 )
+from ckptstore.objectstore.registry import StoreURL
+from ckptstore.objectstore.remote import Failure, Kind, RemoteCaller
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -61,11 +61,41 @@ _TRANSIENT_CODES = frozenset(
         "OperationAborted",
     }
 )
-_USERINFO_RE = re.compile(r"(?<=://)[^/@\s\"']+@")
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 _DENIED_CODES = frozenset(
     {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
 )
+
+
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", re.ASCII)
+_IPV4_RE = re.compile(r"\d+\.\d+\.\d+\.\d+", re.ASCII)
+
+
+def check_bucket_name(bucket: str) -> str:
+    """``bucket`` if it follows S3's naming rules, else a ConfigError that names the rule.
+
+    Checked when a store is opened, so a mistyped ``--store`` fails at once as a configuration
+    error rather than at the first request as a store error.
+    """
+    if not bucket:
+        raise ConfigError("S3Store needs a bucket name, e.g. s3://my-bucket/checkpoints")
+    if not _BUCKET_RE.fullmatch(bucket):
+        rule = (
+            "must be 3-63 characters long"
+            if not 3 <= len(bucket) <= 63
+            else "may hold only lowercase letters, digits, '.' and '-', and must start and end "
+            "with a letter or digit"
+        )
+    elif ".." in bucket:
+        rule = "must not contain '..'"
+    elif _IPV4_RE.fullmatch(bucket):
+        rule = "must not look like an IP address"
+    else:
+        return bucket
+    raise ConfigError(
+        f"invalid S3 bucket name '{printable(bucket)}': a bucket name {rule} "
+        "(e.g. s3://my-bucket/checkpoints); check --store / $CKPTSTORE_STORE"
+    )
 
 
 class TruncatedResponseError(ObjectStoreError):
@@ -116,8 +146,7 @@ class S3Store(ObjectStore):
         conditional_writes: bool | None = None,
         client: S3Client | None = None,
     ) -> None:
-        if not bucket:
-            raise ConfigError("S3Store needs a bucket name, e.g. s3://my-bucket/checkpoints")
+        check_bucket_name(bucket)
         if part_size < 5 * MiB:
             raise ConfigError("S3Store part_size must be at least 5 MiB (an S3 limit)")
         if multipart_threshold < part_size:
@@ -162,10 +191,16 @@ class S3Store(ObjectStore):
             client = session.client("s3", endpoint_url=endpoint_url, config=config)
         self.client: S3Client = client
         self.endpoint = _redact(self.client.meta.endpoint_url)
+        self._remote = RemoteCaller(
+            classify=functools.partial(classify, bucket=self.bucket, endpoint=self.endpoint),
+            policy=self.retry,
+            endpoint=self.endpoint,
+        )
         self._parts_pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ckpt-s3-part")
 
     @property
     def url(self) -> str:
+        """The store's URL, as ``open_store`` takes it."""
         return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
 
     def _key(self, key: str) -> str:
@@ -175,52 +210,13 @@ class S3Store(ObjectStore):
     # -- requests ---------------------------------------------------------------------------
 
     def _call(self, action: str, key: str, fn: Callable[[], T]) -> T:
-        """Run one request with retries; translate a final failure into our errors."""
-        try:
-            return call_with_retries(
-                fn,
-                policy=self.retry,
-                is_transient=_is_transient,
-                describe=lambda: f"{action} {self.url}/{key}",
-                redact=_strip_userinfo,
-            )
-        except ObjectStoreError:
-            raise
-        except bexc.ClientError as exc:
-            raise self._client_error(action, key, exc) from exc
-        except bexc.NoCredentialsError as exc:
-            raise StorePermissionError(
-                f"{action} {self.url}/{key}: no AWS credentials found; configure them the "
-                "usual boto3 way (AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ...)"
-            ) from exc
-        except (bexc.BotoCoreError, Urllib3HTTPError, OSError) as exc:
-            raise ObjectStoreError(
-                f"{action} {self.url}/{key} (endpoint {self.endpoint}) failed: "
-                f"{type(exc).__name__}: {_strip_userinfo(str(exc))}; "
-                "check that the endpoint is reachable"
-            ) from exc
-
-    def _client_error(self, action: str, key: str, exc: bexc.ClientError) -> ObjectStoreError:
-        code = _code(exc)
-        message = exc.response.get("Error", {}).get("Message", "")
-        where = f"{self.url}/{key}"
-        if code == "NoSuchBucket":
-            return StoreNotFoundError(
-                f"{action} {where}: bucket {self.bucket!r} does not exist at {self.endpoint}; "
-                "create it or fix the store URL"
-            )
-        if code in _NOT_FOUND_CODES:
-            return ObjectNotFoundError(f"object {where} does not exist")
-        if code in _DENIED_CODES:
-            return StorePermissionError(
-                f"{action} {where}: access denied ({code}); check the credentials boto3 finds "
-                "(AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) and the bucket's policy"
-            )
-        return ObjectStoreError(f"{action} {where} failed: {code}: {message}")
+        """Run one request with retries; a final failure becomes one of our errors."""
+        return self._remote.call(action, f"{self.url}/{key}", fn)
 
     # -- contract ---------------------------------------------------------------------------
 
     def put(self, key: str, data: PutData) -> bool:
+        """Create ``key`` with ``data`` (an existing key is success); True if this call made it."""
         full = self._key(key)
         parts = as_parts(data)
         size = parts_size(parts)
@@ -339,6 +335,7 @@ class S3Store(ObjectStore):
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        """The object's bytes (or ``byte_range`` of them)."""
         full = self._key(key)
         if byte_range is not None:
             clip_range(byte_range, 1 << 62)  # validates the range
@@ -378,6 +375,7 @@ class S3Store(ObjectStore):
         return self._call("reading", key, fetch)
 
     def head(self, key: str) -> ObjectInfo:
+        """The object's size and modification time."""
         full = self._key(key)
         response = self._call(
             "checking", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full)
@@ -387,6 +385,7 @@ class S3Store(ObjectStore):
         )
 
     def delete(self, keys: Iterable[str]) -> None:
+        """Delete ``keys`` (missing ones are fine), in batches."""
         batch: list[str] = []
         for key in keys:
             batch.append(key)
@@ -455,6 +454,7 @@ class S3Store(ObjectStore):
         return len(stale), size
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (GC and fsck only, never on the save or resume path)."""
         root = f"{self.prefix}/" if self.prefix else ""
         token: str | None = None
         while True:
@@ -476,11 +476,21 @@ class S3Store(ObjectStore):
         return self._call("listing", prefix or "", lambda: self.client.list_objects_v2(**kwargs))
 
     def close(self) -> None:
+        """Release the clients and threads."""
         self._parts_pool.shutdown(wait=True)
         self.client.close()
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+
+
+def open_s3_url(url: StoreURL, *, create: bool, **options: Any) -> S3Store:
+    """The store at ``s3://bucket/prefix``; it never creates its bucket, whatever ``create``."""
+    if not url.parts.netloc:
+        raise ConfigError(
+            f"store URL '{printable(url.text)}' has no bucket: use s3://bucket/prefix"
+        )
+    return S3Store(url.parts.netloc, url.path.strip("/"), **options)
 
 
 class _PartsReader(io.RawIOBase):
@@ -547,29 +557,74 @@ def _status(exc: bexc.ClientError) -> int:
     return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
 
 
-def _is_transient(exc: BaseException) -> bool:
+_CREDENTIALS_HINT = (
+    "check the credentials boto3 finds (AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) "
+    "and the bucket's policy"
+)
+_NO_CREDENTIALS_HINT = (
+    "configure them the usual boto3 way (AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ...)"
+)
+#: Faults below the S3 protocol that a retry may heal. HTTPClientError covers
+#: ConnectionClosedError (a reset before the answer), read timeouts and a body cut short
+#: (ResponseStreamingError).
+_TRANSIENT_ERRORS = (
+    bexc.ConnectionError,
+    bexc.IncompleteReadError,
+    bexc.HTTPClientError,
+    TruncatedResponseError,
+    Urllib3HTTPError,
+    ConnectionError,
+    TimeoutError,
+)
+
+
+def classify(exc: BaseException, *, bucket: str, endpoint: str) -> Failure | None:
+    """What a botocore (or urllib3, or socket) exception means for a store on ``bucket``."""
     if isinstance(exc, bexc.ClientError):
-        status = _status(exc)
-        # 501 Not Implemented is a capability answer, never worth retrying.
-        return _code(exc) in _TRANSIENT_CODES or status == 429 or (status >= 500 and status != 501)
-    if isinstance(exc, bexc.ConnectionError | bexc.IncompleteReadError):
-        return True
-    # HTTPClientError covers ConnectionClosedError (a reset before the answer), read timeouts
-    # and a body cut short (ResponseStreamingError).
-    if isinstance(exc, bexc.HTTPClientError | TruncatedResponseError):
-        return True
-    return isinstance(exc, Urllib3HTTPError | ConnectionError | TimeoutError)
+        return _classify_answer(exc, bucket, endpoint)
+    if isinstance(exc, bexc.NoCredentialsError):
+        return Failure(
+            Kind.PERMISSION, detail="no AWS credentials found", hint=_NO_CREDENTIALS_HINT
+        )
+    if isinstance(exc, bexc.BotoCoreError | Urllib3HTTPError | OSError):
+        return Failure(
+            Kind.NETWORK,
+            transient=isinstance(exc, _TRANSIENT_ERRORS),
+            detail=f"{type(exc).__name__}: {exc}",
+            hint="check that the endpoint is reachable",
+        )
+    return None
+
+
+def _classify_answer(exc: bexc.ClientError, bucket: str, endpoint: str) -> Failure:
+    """What an error answer from the server means."""
+    code, status = _code(exc), _status(exc)
+    # 501 Not Implemented is a capability answer, never worth retrying.
+    transient = code in _TRANSIENT_CODES or status == 429 or (status >= 500 and status != 501)
+    if code == "NoSuchBucket":
+        return Failure(
+            Kind.STORE_NOT_FOUND,
+            transient=transient,
+            detail=f"bucket {bucket!r} does not exist at {endpoint}",
+            hint="create it or fix the store URL",
+        )
+    if code in _NOT_FOUND_CODES:
+        return Failure(Kind.NOT_FOUND, transient=transient)
+    if code in _DENIED_CODES:
+        return Failure(
+            Kind.PERMISSION,
+            transient=transient,
+            detail=f"access denied ({code})",
+            hint=_CREDENTIALS_HINT,
+        )
+    message = exc.response.get("Error", {}).get("Message", "")
+    return Failure(Kind.FAILED, transient=transient, detail=f"{code}: {message}")
 
 
 def _rejects_conditional(exc: bexc.ClientError) -> bool:
     """Whether a failed conditional PUT means the server does not support If-None-Match."""
     code = _code(exc)
     return _status(exc) == 501 or code in {"NotImplemented", "InvalidArgument"}
-
-
-def _strip_userinfo(text: str) -> str:
-    """``text`` with the ``user:password@`` part of every URL in it removed."""
-    return _USERINFO_RE.sub("", text)
 
 
 def _redact(url: str) -> str:

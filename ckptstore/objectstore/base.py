@@ -78,6 +78,7 @@ def clip_range(byte_range: tuple[int, int] | None, size: int) -> tuple[int, int]
 
 
 def parts_size(parts: Sequence[memoryview]) -> int:
+    """Total bytes of ``data`` (bytes-like or a sequence of parts)."""
     return sum(p.nbytes for p in parts)
 
 
@@ -124,6 +125,7 @@ class ObjectStore(abc.ABC):
         """Size and mtime of ``key``; raises ``ObjectNotFoundError`` if it does not exist."""
 
     def exists(self, key: str) -> bool:
+        """True if ``key`` exists."""
         try:
             self.head(key)
         except ObjectNotFoundError:

@@ -1,37 +1,34 @@
-"""The object-store contract on LocalStore (a tmp dir) and S3Store on moto in-process."""
+"""LocalStore: the shared conformance suite on a tmp dir, checked against the files on disk, and
+what only a directory store does (temp files, directories, the root itself)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from store_contract import (
-    LocalStoreFactory,
-    S3StoreContract,
-    S3StoreFactory,
-    StoreContract,
-    StoreFactory,
-    pattern,
-)
 
 from ckptstore.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
 from ckptstore.objectstore import LocalStore
+from ckptstore.objectstore.base import TMP_PREFIX
+from ckptstore.testing.factories import LocalStoreFactory, pattern
+from ckptstore.testing.store import StoreTests
 
-TMP_PREFIX = ".tmp-"
 
-
-class TestLocalStore(StoreContract):
+class TestLocalStore(StoreTests[LocalStoreFactory]):
     @pytest.fixture
     def factory(self, local_store_factory: LocalStoreFactory) -> LocalStoreFactory:
         return local_store_factory
 
-    def raw_read(self, factory: StoreFactory, key: str) -> bytes | None:
-        assert isinstance(factory, LocalStoreFactory)
+    def raw_get(self, factory: LocalStoreFactory, key: str) -> bytes | None:
         path = factory.root / key
         return path.read_bytes() if path.is_file() else None
 
-    def raw_keys(self, factory: StoreFactory) -> set[str]:
-        assert isinstance(factory, LocalStoreFactory)
+    def raw_put(self, factory: LocalStoreFactory, key: str, data: bytes) -> None:
+        path = factory.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+    def raw_keys(self, factory: LocalStoreFactory) -> set[str]:
         if not factory.root.exists():
             return set()
         return {
@@ -133,25 +130,16 @@ class TestLocalStore(StoreContract):
         assert self.raw_keys(factory) == set()
 
 
-class TestMotoStore(S3StoreContract):
-    @pytest.fixture
-    def factory(self, moto_store_factory: S3StoreFactory) -> S3StoreFactory:
-        return moto_store_factory
+@pytest.mark.parametrize("create", [True, False])
+def test_local_store_refuses_a_file_or_a_path_through_one(tmp_path: Path, create: bool) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        LocalStore(tmp_path / "file", create=create)
+    with pytest.raises(ConfigError, match=r"file/sub\b"):
+        LocalStore(tmp_path / "file" / "sub", create=create)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
 
-    @pytest.mark.slow
-    def test_delete_of_more_than_1000_existing_objects(self, factory: S3StoreFactory) -> None:
-        store = factory()
-        keys = [f"cas/{i:04d}" for i in range(1001)]
-        for key in keys:
-            factory.raw_client.put_object(
-                Bucket=factory.bucket, Key=factory.full_key(key), Body=b"x"
-            )
-        assert len(self.raw_keys(factory)) == 1001
-        requests: list[int] = []
-        store.client.meta.events.register(
-            "before-parameter-build.s3.DeleteObjects",
-            lambda params, **kw: requests.append(len(params["Delete"]["Objects"])),
-        )
-        store.delete(keys)
-        assert requests == [1000, 1]
-        assert self.raw_keys(factory) == set()
+
+def test_local_store_refuses_a_home_of_nobody(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid local store path"):
+        LocalStore("~no-such-user-ckpt/store", create=False)

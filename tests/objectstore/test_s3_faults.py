@@ -4,7 +4,7 @@ Faults are injected on the S3Store's own boto3 client through botocore's ``befor
 so the store, botocore's response parsing and the retry policy all run for real; only the
 server's answer is replaced. Faults that need real sockets (a body cut short, a response lost
 after the server acted on the request, a stall) go through a small proxy in front of moto's
-server. Also: ``open_store`` URL parsing and :class:`RetryPolicy` itself.
+server.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,18 +23,16 @@ import botocore.exceptions as bexc
 import pytest
 import s3servers
 from botocore.awsrequest import AWSPreparedRequest, AWSResponse
-from store_contract import MULTIPART_OPTIONS, MiB, S3Endpoint, S3StoreFactory, pattern
 
 from ckptstore.errors import (
-    CkptStoreError,
     ConfigError,
     ObjectNotFoundError,
     ObjectStoreError,
     StoreNotFoundError,
     StorePermissionError,
 )
-from ckptstore.objectstore import LocalStore, ObjectStore, RetryPolicy, S3Store, open_store
-from ckptstore.objectstore._retry import call_with_retries
+from ckptstore.objectstore import ObjectStore, RetryPolicy, S3Store
+from ckptstore.testing.factories import MULTIPART_OPTIONS, MiB, S3StoreFactory, pattern
 
 FAST = RetryPolicy(max_attempts=5, base_delay=0.001, max_delay=0.01)
 #: Where an intercepted request is pointed so that nothing ever answers it (see FaultInjector).
@@ -170,12 +167,11 @@ def stored(factory: S3StoreFactory, key: str) -> bytes | None:
     return bytes(response["Body"].read())
 
 
-def retry_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "ckptstore.objectstore" and "transient fault" in r.getMessage()
-    ]
+def retry_logs(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """The retries logged (at DEBUG: only a fault that outlasts them is reported, once)."""
+    found = [r for r in caplog.records if r.name == "ckptstore.objectstore"]
+    assert all(r.levelno < logging.WARNING for r in found), [r.getMessage() for r in found]
+    return [r.getMessage() for r in found if r.levelno == logging.DEBUG]
 
 
 # -- transient faults -------------------------------------------------------------------------
@@ -199,12 +195,12 @@ def test_put_retries_transient_faults(
 ) -> None:
     data = pattern(20_000)
     injector = FaultInjector(store, "PutObject", fault, times=2)
-    with caplog.at_level(logging.WARNING, "ckptstore.objectstore"):
+    with caplog.at_level(logging.DEBUG, "ckptstore.objectstore"):
         assert store.put("cas/k", data) is True
     assert injector.calls == 3
-    warnings = retry_warnings(caplog)
-    assert len(warnings) == 2
-    assert all(f"{store.url}/cas/k" in w for w in warnings)
+    retries = retry_logs(caplog)
+    assert len(retries) == 2
+    assert all(f"{store.url}/cas/k" in r for r in retries)
     assert stored(factory, "cas/k") == data
 
 
@@ -215,21 +211,21 @@ def test_get_retries_transient_faults(
     data = pattern(20_000)
     store.put("cas/k", data)
     injector = FaultInjector(store, "GetObject", fault, times=2)
-    with caplog.at_level(logging.WARNING, "ckptstore.objectstore"):
+    with caplog.at_level(logging.DEBUG, "ckptstore.objectstore"):
         assert store.get("cas/k") == data
         assert store.get("cas/k", (100, 300)) == data[100:300]
     assert injector.calls == 4
-    assert len(retry_warnings(caplog)) == 2
+    assert len(retry_logs(caplog)) == 2
 
 
 def test_truncated_get_body_is_retried(store: S3Store, caplog: pytest.LogCaptureFixture) -> None:
     data = pattern(50_000)
     store.put("cas/k", data)
     injector = FaultInjector(store, "GetObject", truncated(data[:1000], len(data)), times=2)
-    with caplog.at_level(logging.WARNING, "ckptstore.objectstore"):
+    with caplog.at_level(logging.DEBUG, "ckptstore.objectstore"):
         assert store.get("cas/k") == data
     assert injector.calls == 3
-    assert len(retry_warnings(caplog)) == 2
+    assert len(retry_logs(caplog)) == 2
 
 
 def test_truncated_get_body_that_never_completes_fails(store: S3Store) -> None:
@@ -448,12 +444,12 @@ def test_client_errors_are_not_retried(
     store.put("k", b"v")
     injector = FaultInjector(store, "GetObject", fault)
     with (
-        caplog.at_level(logging.WARNING, "ckptstore.objectstore"),
+        caplog.at_level(logging.DEBUG, "ckptstore.objectstore"),
         pytest.raises(ObjectStoreError) as info,
     ):
         store.get("k")
     assert injector.calls == 1
-    assert retry_warnings(caplog) == []
+    assert retry_logs(caplog) == []
     assert f"{store.url}/k" in str(info.value)
 
 
@@ -547,11 +543,16 @@ def test_unreachable_endpoint_names_it(caplog: pytest.LogCaptureFixture) -> None
         endpoint_url=f"http://127.0.0.1:{port}",
         retry=RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01),
     )
-    with store, pytest.raises(ObjectStoreError, match="reachable") as info:
+    with (
+        caplog.at_level(logging.DEBUG, "ckptstore.objectstore"),
+        store,
+        pytest.raises(ObjectStoreError, match="reachable") as info,
+    ):
         store.put("cas/k", b"x")
     assert f"http://127.0.0.1:{port}" in str(info.value)
     assert "s3://bucket/cas/k" in str(info.value)
-    assert len(retry_warnings(caplog)) == 2
+    # The one error is the report; the retries before it are logged only at DEBUG.
+    assert len(retry_logs(caplog)) == 2
 
 
 # -- real sockets: a proxy in front of moto's server ------------------------------------------
@@ -686,10 +687,10 @@ def test_truncated_body_over_a_real_socket_is_retried(
     data = pattern(300_000)
     store.put("cas/k", data)
     proxy.spoil("GET", "/cas/k", "truncate", times=2)
-    with caplog.at_level(logging.WARNING, "ckptstore.objectstore"):
+    with caplog.at_level(logging.DEBUG, "ckptstore.objectstore"):
         assert store.get("cas/k") == data
     assert proxy.count("GET", "/cas/k") == 3
-    assert len(retry_warnings(caplog)) == 2
+    assert len(retry_logs(caplog)) == 2
     proxy.spoil("GET", "/cas/k", "truncate", times=1)
     assert store.get("cas/k", (1000, 200_000)) == data[1000:200_000]
 
@@ -734,172 +735,3 @@ def test_stalled_response_times_out_and_is_retried(
     assert store.get("cas/k") == b"payload"
     assert time.monotonic() - started < 5
     assert proxy.count("GET", "/cas/k") == 2
-
-
-# -- RetryPolicy and call_with_retries --------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"max_attempts": 0},
-        {"base_delay": -1.0},
-        {"base_delay": 2.0, "max_delay": 1.0},
-    ],
-)
-def test_retry_policy_validates(options: dict[str, Any]) -> None:
-    with pytest.raises(ConfigError, match="RetryPolicy"):
-        RetryPolicy(**options)
-
-
-def test_backoff_is_exponential_capped_and_jittered() -> None:
-    policy = RetryPolicy(max_attempts=10, base_delay=0.1, max_delay=1.0)
-    for attempt, cap in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.8), (5, 1.0), (9, 1.0)]:
-        delays = [policy.delay(attempt) for _ in range(200)]
-        assert all(0.0 <= d <= cap for d in delays), attempt
-        assert max(delays) > cap / 2, "full jitter should reach the upper half"
-        assert len(set(delays)) > 100, "delays should be jittered"
-
-
-def test_call_with_retries_stops_at_a_permanent_fault() -> None:
-    calls: list[int] = []
-
-    def fn() -> int:
-        calls.append(1)
-        if len(calls) < 3:
-            raise TimeoutError("transient")
-        raise KeyError("permanent")
-
-    with pytest.raises(KeyError):
-        call_with_retries(
-            fn,
-            policy=FAST,
-            is_transient=lambda e: isinstance(e, TimeoutError),
-            describe=lambda: "op",
-        )
-    assert len(calls) == 3
-
-
-def test_call_with_retries_returns_the_first_success() -> None:
-    results = iter([TimeoutError(), TimeoutError(), 42, 43])
-
-    def fn() -> int:
-        item = next(results)
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    policy = RetryPolicy(max_attempts=3, base_delay=0.0, max_delay=0.0)
-    assert call_with_retries(fn, policy=policy, is_transient=lambda e: True, describe=str) == 42
-
-
-# -- open_store -------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def opened() -> Iterator[list[ObjectStore]]:
-    stores: list[ObjectStore] = []
-    yield stores
-    for store in stores:
-        store.close()
-
-
-def test_open_store_plain_path(tmp_path: Path, opened: list[ObjectStore]) -> None:
-    store = open_store(str(tmp_path / "a" / "b"))
-    opened.append(store)
-    assert isinstance(store, LocalStore)
-    assert store.root == tmp_path / "a" / "b"
-    assert store.root.is_dir()
-    assert store.url == (tmp_path / "a" / "b").as_uri()
-
-
-def test_open_store_path_object_and_relative_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = open_store(tmp_path / "p")
-    assert isinstance(store, LocalStore)
-    assert store.root == tmp_path / "p"
-    monkeypatch.chdir(tmp_path)
-    rel = open_store("rel/dir")
-    assert isinstance(rel, LocalStore)
-    assert rel.root == tmp_path / "rel" / "dir"
-
-
-@pytest.mark.parametrize("form", ["file://{path}", "file://localhost{path}", " file://{path} "])
-def test_open_store_file_url(tmp_path: Path, form: str) -> None:
-    store = open_store(form.format(path=tmp_path / "x y"))
-    assert isinstance(store, LocalStore)
-    assert store.root == tmp_path / "x y"
-
-
-def test_open_store_file_url_is_percent_decoded(tmp_path: Path) -> None:
-    store = open_store((tmp_path / "with space").as_uri())
-    assert isinstance(store, LocalStore)
-    assert store.root == tmp_path / "with space"
-
-
-def test_open_store_passes_options(tmp_path: Path) -> None:
-    store = open_store(tmp_path, fsync=False)
-    assert isinstance(store, LocalStore)
-    assert store.put("k", b"v") is True
-
-
-@pytest.mark.parametrize(
-    ("url", "bucket", "prefix"),
-    [
-        ("s3://bucket/prefix", "bucket", "prefix"),
-        ("s3://bucket/a/b/c/", "bucket", "a/b/c"),
-        ("s3://bucket", "bucket", ""),
-        ("s3://bucket/", "bucket", ""),
-        ("S3://bucket/p", "bucket", "p"),
-        ("s3://my.bucket-1/runs/exp%2D1", "my.bucket-1", "runs/exp-1"),
-    ],
-)
-def test_open_store_s3_url(
-    url: str, bucket: str, prefix: str, opened: list[ObjectStore], moto_endpoint: S3Endpoint
-) -> None:
-    # A ready client keeps this fast; options reaching the constructor is tested below.
-    store = open_store(url, client=moto_endpoint.client())
-    opened.append(store)
-    assert isinstance(store, S3Store)
-    assert store.bucket == bucket
-    assert store.prefix == prefix
-    assert store.url == (f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}")
-
-
-def test_open_store_s3_options_reach_the_client(opened: list[ObjectStore]) -> None:
-    store = open_store("s3://bucket/p", endpoint_url="http://127.0.0.1:9", read_timeout=7.0)
-    opened.append(store)
-    assert isinstance(store, S3Store)
-    assert store.endpoint == "http://127.0.0.1:9"
-    assert store.client.meta.config.read_timeout == 7.0
-    # Local servers rarely resolve bucket subdomains: path style whenever an endpoint is set.
-    assert store.client.meta.config.s3 == {"addressing_style": "path"}
-
-
-def test_open_store_s3_works_end_to_end(moto_store_factory: S3StoreFactory) -> None:
-    factory = moto_store_factory
-    with open_store(f"s3://{factory.bucket}/{factory.prefix}") as store:
-        assert store.put("k", b"via-url") is True
-    assert stored(factory, "k") == b"via-url"
-
-
-@pytest.mark.parametrize(
-    ("url", "match"),
-    [
-        ("", "empty"),
-        ("   ", "empty"),
-        ("gs://bucket/x", "scheme 'gs'"),
-        ("http://example.com/x", "scheme 'http'"),
-        ("s3://", "no bucket"),
-        ("s3:///prefix", "no bucket"),
-        ("file://host/x", "host 'host'"),
-        ("s3://bucket/../x", "invalid object key"),
-        ("s3://bucket/a//b", "invalid object key"),
-    ],
-)
-def test_open_store_rejects_bad_urls(url: str, match: str) -> None:
-    with pytest.raises(ConfigError, match=match) as info:
-        open_store(url)
-    assert isinstance(info.value, CkptStoreError)
-    assert isinstance(info.value, ValueError)

@@ -39,7 +39,7 @@ from ckptstore.errors import ObjectStoreError, SaveError
 from ckptstore.maintenance import verify
 from ckptstore.maintenance.gc import gc_lease
 from ckptstore.manifest import Database, head_revision
-from ckptstore.manifest.models import Blob, BlobState, Checkpoint, CheckpointBlob, Status
+from ckptstore.manifest.models import BlobRow, BlobState, CheckpointBlobRow, CheckpointRow, Status
 from ckptstore.objectstore import LocalStore, PutData
 from ckptstore.serialize.compare import first_difference
 
@@ -271,9 +271,9 @@ def committed_references(db: Database) -> set[str]:
     with db.read() as session:
         return set(
             session.scalars(
-                select(CheckpointBlob.digest)
-                .join(Checkpoint, Checkpoint.id == CheckpointBlob.checkpoint_id)
-                .where(Checkpoint.status == Status.COMMITTED)
+                select(CheckpointBlobRow.digest)
+                .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+                .where(CheckpointRow.status == Status.COMMITTED)
             )
         )
 
@@ -291,6 +291,7 @@ def test_console_entry_point(sql_store: Populated) -> None:
             "SELECT run, committed, latest_step FROM run_summary ORDER BY run",
             "--format",
             "csv",
+            *superuser_flag(sql_store.db_url),
         ],
         ["ls", "no-such-run"],
     )
@@ -299,7 +300,12 @@ def test_console_entry_point(sql_store: Populated) -> None:
     assert [(r["run"], r["committed"]) for r in json.loads(out)] == [("alpha", 3), ("beta", 2)]
 
     code, out, err = csv
-    assert (code, err) == (0, "")
+    assert code == 0, err
+    if superuser_flag(sql_store.db_url):  # one warning line says what the flag allows
+        (warning,) = err.splitlines()
+        assert "--allow-superuser" in warning
+    else:
+        assert err == ""
     assert out.splitlines() == ["run,committed,latest_step", "alpha,3,7", "beta,2,2"]
 
     code, out, err = unknown
@@ -556,7 +562,7 @@ def test_verify_finds_damage_marks_corrupt_and_quarantines(db: Database, store: 
 
         def snapshot() -> tuple[Any, ...]:
             with db.read() as session:
-                blobs = {b.digest: b.state for b in session.scalars(select(Blob))}
+                blobs = {b.digest: b.state for b in session.scalars(select(BlobRow))}
             listing = {i.key: i.size for i in store.list("")}
             return [(c.step, c.status) for c in run.checkpoints()], blobs, listing
 
@@ -578,7 +584,7 @@ def test_verify_finds_damage_marks_corrupt_and_quarantines(db: Database, store: 
         assert rows[1].error is not None
         assert "verify" in rows[1].error
         with db.read() as session:
-            query = select(Blob.digest, Blob.state).where(Blob.digest.in_(digests))
+            query = select(BlobRow.digest, BlobRow.state).where(BlobRow.digest.in_(digests))
             states = dict(session.execute(query).all())
         assert states == dict.fromkeys(digests, BlobState.CONDEMNED)
         keys = {i.key for i in store.list("")}
@@ -602,8 +608,14 @@ def test_verify_finds_damage_marks_corrupt_and_quarantines(db: Database, store: 
         loaded = run.load()
         assert (loaded.info.step, loaded.skipped) == (3, ())
         assert_components(loaded.state, verify_state(2))
+        # The good bytes repaired step 2 as well: it is committed again, and verified.
+        assert [(c.step, c.status) for c in run.checkpoints()] == [
+            (1, "committed"),
+            (2, "committed"),
+            (3, "committed"),
+        ]
         final = verify(db, store)
-        assert (final.checkpoints, final.problems) == (2, [])
+        assert (final.checkpoints, final.problems) == (3, [])
 
 
 def test_verify_sample_checks_at_most_n_blobs_per_checkpoint(
@@ -663,6 +675,108 @@ def test_verify_command_on_a_damaged_store(
         ]
 
 
+KEPT_LINE = re.compile(
+    r"^  kept +(\d+) blobs  .+  for 2 corrupt checkpoint\(s\) \(repairable; "
+    r"`ckptstore verify --recheck`, or --release-corrupt to let them go\)$",
+    re.M,
+)
+
+
+def corrupt_shared_chunk(db_url: str, store: LocalStore) -> tuple[str, bytes]:
+    """Steps 1 and 2 of run 'shared' both hold EMBED; one flipped byte of its chunk, found by
+    `verify`, makes both corrupt. Returns the chunk's key and its good bytes."""
+    with open_run("shared", db=db_url, store=store, writer_options=OPTIONS) as run:
+        for step in (1, 2):
+            run.save(step, verify_state(step)).wait()
+    key = chunk_key(EMBED)
+    good = (store.root / key).read_bytes()
+    damaged = bytearray(good)
+    damaged[-1] ^= 0xFF
+    (store.root / key).write_bytes(bytes(damaged))
+    assert main(["--db", db_url, "--store", str(store.root), "verify"]) == 1
+    assert shared_statuses(db_url, store) == {1: "corrupt", 2: "corrupt"}
+    return key, good
+
+
+def shared_statuses(db_url: str, store: LocalStore) -> dict[int, str]:
+    with open_run("shared", db=db_url, store=store, writable=False) as run:
+        return {c.step: c.status for c in run.checkpoints()}
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["text", "json"])
+def test_verify_recheck_commits_restored_checkpoints_again(
+    db_url: str, store: LocalStore, capsys: pytest.CaptureFixture[str], as_json: bool
+) -> None:
+    key, good = corrupt_shared_chunk(db_url, store)
+    base = ["--db", db_url, "--store", str(store.root), *(["--json"] if as_json else [])]
+
+    # Nothing put back yet: the recheck finds the chunk missing (quarantined) and repairs none.
+    capsys.readouterr()
+    assert main([*base, "verify", "--recheck"]) == 1
+    out = capsys.readouterr().out
+    assert "REPAIRED" not in out
+    assert shared_statuses(db_url, store) == {1: "corrupt", 2: "corrupt"}
+
+    # An operator restores the object; report-only recheck changes nothing.
+    store.put(key, good)
+    assert main([*base, "verify", "--recheck", "--no-mark"]) == 0
+    capsys.readouterr()
+    assert shared_statuses(db_url, store) == {1: "corrupt", 2: "corrupt"}
+
+    assert main([*base, "verify", "--recheck"]) == 0
+    out = capsys.readouterr().out
+    if as_json:
+        report = json.loads(out)
+        assert report["repaired"] == [{"run": "shared", "step": 1}, {"run": "shared", "step": 2}]
+        assert (report["problems"], report["corrupt_checkpoints"]) == ([], [])
+    else:
+        assert out.splitlines()[:2] == [
+            "REPAIRED: run 'shared' step 1 is committed again",
+            "REPAIRED: run 'shared' step 2 is committed again",
+        ]
+        assert out.strip().endswith(": OK")
+    assert shared_statuses(db_url, store) == {1: "committed", 2: "committed"}
+    capsys.readouterr()
+    assert main([*base, "verify"]) == 0
+
+
+def test_gc_keeps_corrupt_checkpoints_blobs_until_released(
+    db_url: str, store: LocalStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corrupt_shared_chunk(db_url, store)
+    base = ["--db", db_url, "--store", str(store.root)]
+    objects = {i.key for i in store.list("cas/")}
+
+    # Dry run or not, no grace at all: the corrupt checkpoints' blobs stay, and gc says why.
+    for dry_run in (["--dry-run"], []):
+        capsys.readouterr()
+        assert main([*base, "gc", "--grace", "0", *dry_run]) == 0
+        out = capsys.readouterr().out
+        kept = KEPT_LINE.search(out)
+        assert kept is not None, out
+        assert int(kept.group(1)) > 0
+        assert re.search(r"delete\s+0 blobs", out)
+    assert {i.key for i in store.list("cas/")} == objects
+    capsys.readouterr()
+    assert main([*base, "--json", "gc", "--grace", "0", "--dry-run"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["corrupt_checkpoints"], report["release_corrupt"]) == (2, False)
+    assert report["kept_for_corrupt"] == int(kept.group(1))
+    assert report["kept_for_corrupt_bytes"] > 0
+
+    # Given up on: --release-corrupt lets them go (a dry run first counts them).
+    assert main([*base, "--json", "gc", "--grace", "0", "--dry-run", "--release-corrupt"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert dry["release_corrupt"] is True
+    assert dry["condemned"] > 0
+    assert {i.key for i in store.list("cas/")} == objects
+    assert main([*base, "gc", "--grace", "0", "--release-corrupt"]) == 0
+    out = capsys.readouterr().out
+    assert not KEPT_LINE.search(out)
+    assert "released" in out
+    assert not any(store.list("cas/")), "released blobs are deleted"
+
+
 # -- du --------------------------------------------------------------------------------------------
 
 
@@ -675,7 +789,7 @@ def test_du(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
     db = Database(populated.db_url)
     try:
         with db.read() as session:
-            blobs = {b.digest: b for b in session.scalars(select(Blob))}
+            blobs = {b.digest: b for b in session.scalars(select(BlobRow))}
             all_rows = sum(b.stored_bytes for b in blobs.values())
         per_run: dict[str, set[str]] = {}
         logical: dict[str, int] = {}
@@ -688,8 +802,8 @@ def test_du(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
                     for c in committed:
                         per_run[name] |= set(
                             session.scalars(
-                                select(CheckpointBlob.digest).where(
-                                    CheckpointBlob.checkpoint_id == c.id
+                                select(CheckpointBlobRow.digest).where(
+                                    CheckpointBlobRow.checkpoint_id == c.id
                                 )
                             )
                         )
@@ -735,7 +849,7 @@ def test_gc_command(populated: Populated, capsys: pytest.CaptureFixture[str]) ->
     db = Database(populated.db_url)
     try:
         with db.read() as session:
-            rows_before = session.scalar(select(func.count()).select_from(Blob))
+            rows_before = session.scalar(select(func.count()).select_from(BlobRow))
         needed = committed_references(db)
         garbage = rows_before - len(needed)
         assert garbage > 0  # the deleted checkpoints' own blobs
@@ -747,7 +861,7 @@ def test_gc_command(populated: Populated, capsys: pytest.CaptureFixture[str]) ->
         assert (dry["condemned"], dry["orphans"]) == (garbage, 0)
         assert dry["condemned_bytes"] > 0
         with db.read() as session:
-            assert session.scalar(select(func.count()).select_from(Blob)) == rows_before
+            assert session.scalar(select(func.count()).select_from(BlobRow)) == rows_before
 
         with gc_lease(db, holder="someone-else"):
             code, out, err = cli(populated, capsys, "gc", "--grace", "0")
@@ -759,7 +873,7 @@ def test_gc_command(populated: Populated, capsys: pytest.CaptureFixture[str]) ->
         assert re.search(rf"condemn\s+{garbage} blobs", out)
         assert re.search(rf"delete\s+{garbage} blobs", out)
         with db.read() as session:
-            assert set(session.scalars(select(Blob.digest))) == needed
+            assert set(session.scalars(select(BlobRow.digest))) == needed
         assert cli_json(populated, capsys, "gc", "--grace", "0")["swept"] == 0
     finally:
         db.close()
@@ -836,11 +950,25 @@ def test_export_refuses_names_that_leave_the_directory(
     bad_components = ["../../etc/x", "../escape", "/etc/passwd", "a/../../b", "link/x", "a\\..\\b"]
     tensor_value = randn(1, 8)
     with open_run("nasty", db=db_url, store=root, writer_options=OPTIONS) as run:
-        for step, name in enumerate(bad_components, start=1):
-            run.save(step, {name: {"w": tensor_value}}).wait()
+        for step in range(1, len(bad_components) + 1):
+            run.save(step, {"policy": {"w": tensor_value}}).wait()
         # A well-named component whose entry path climbs out.
         entry_step = len(bad_components) + 1
         run.save(entry_step, {"policy": {"..": {"..": {"etc": {"x": tensor_value}}}}}).wait()
+    # save() refuses such names now; a manifest written before it did may still hold them.
+    database = Database(db_url)
+    try:
+        with database.engine.begin() as conn:
+            for step, name in enumerate(bad_components, start=1):
+                conn.execute(
+                    text(
+                        "UPDATE components SET name = :name WHERE checkpoint_id = "
+                        "(SELECT id FROM checkpoints WHERE step = :step)"
+                    ),
+                    {"name": name, "step": step},
+                )
+    finally:
+        database.close()
     base = ["--db", db_url, "--store", str(root)]
     before = tree(parent)
 
@@ -924,17 +1052,18 @@ def test_sql_formats(sql_store: Populated, capsys: pytest.CaptureFixture[str]) -
         " JOIN runs r ON r.id = c.run_id WHERE r.name = 'alpha' ORDER BY c.step"
     )
     expected = [("alpha", s, st) for s, st in ALPHA_STATUS.items()]
+    flags = superuser_flag(sql_store.db_url)
 
-    code, out, err = cli(sql_store, capsys, "sql", query)
+    code, out, err = cli(sql_store, capsys, "sql", query, *flags)
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0].split() == ["run", "step", "status"]
     assert [tuple(line.split()) for line in lines[2:]] == [(r, str(s), st) for r, s, st in expected]
 
-    code, out, err = cli(sql_store, capsys, "sql", query, "--format", "json")
+    code, out, err = cli(sql_store, capsys, "sql", query, "--format", "json", *flags)
     assert (code, err) == (0, "")
     assert json.loads(out) == [{"run": r, "step": s, "status": st} for r, s, st in expected]
-    assert json.loads(cli(sql_store, capsys, "--json", "sql", query)[1]) == json.loads(out)
+    assert json.loads(cli(sql_store, capsys, "--json", "sql", query, *flags)[1]) == json.loads(out)
 
     # The views for people; csv for scripts.
     code, out, err = cli(
@@ -944,16 +1073,18 @@ def test_sql_formats(sql_store: Populated, capsys: pytest.CaptureFixture[str]) -
         "SELECT run, checkpoints, failed FROM run_summary ORDER BY run",
         "--format",
         "csv",
+        *flags,
     )
     assert (code, err) == (0, "")
     assert out.splitlines() == ["run,checkpoints,failed", "alpha,7,1", "beta,2,0"]
 
-    code, out, err = cli(sql_store, capsys, "sql", "SELECT 1 AS one WHERE 1 = 0")
+    code, out, err = cli(sql_store, capsys, "sql", "SELECT 1 AS one WHERE 1 = 0", *flags)
     assert (code, err) == (0, "")
     assert out.splitlines()[0] == "one"
 
 
-REFUSED = [
+#: Not a query: refused by the statement-kind check before anything connects (exit 2).
+NOT_A_QUERY = [
     "INSERT INTO runs (name, writer_epoch, higher_is_better) VALUES ('evil', 0, TRUE)",
     "UPDATE checkpoints SET status = 'deleted'",
     "DELETE FROM checkpoint_blobs",
@@ -963,25 +1094,18 @@ REFUSED = [
     "DROP TABLE blobs",
     "COMMIT; DELETE FROM runs",
     "ROLLBACK; DELETE FROM runs",
-    "WITH gone AS (DELETE FROM runs RETURNING id) SELECT count(*) FROM gone",
 ]
-#: What the database itself says when it refuses: a read-only connection (SQLite) or
-#: transaction (PostgreSQL), or a second statement; SQLite's authorizer allows reads only.
-SQLITE_REFUSAL = re.compile(
-    r"attempt to write a readonly database|one statement at a time|not authorized"
-)
-POSTGRES_REFUSAL = re.compile(
-    r"cannot execute \w+( \w+)? in a read-only transaction"
-    r"|cannot insert multiple commands into a prepared statement"
-)
+#: A query that would write: it passes the kind check, and the database refuses it (exit 3).
+WRITING_QUERY = "WITH gone AS (DELETE FROM runs RETURNING id) SELECT count(*) FROM gone"
+#: What the database says: SQLite has no DELETE inside WITH; PostgreSQL allows none in the
+#: subquery that `ckptstore sql` wraps every query in.
+SQLITE_REFUSAL = re.compile(r'near "DELETE": syntax error')
+POSTGRES_REFUSAL = re.compile(r"data-modifying statement must be at the top level")
 
 
-def refusal(db_url: str, statement: str) -> re.Pattern[str]:
-    if not db_url.startswith("sqlite"):
-        return POSTGRES_REFUSAL
-    if statement.startswith("WITH"):
-        return re.compile(r'near "DELETE": syntax error')  # SQLite has no DELETE inside WITH
-    return SQLITE_REFUSAL
+def superuser_flag(db_url: str) -> list[str]:
+    """The tests connect to PostgreSQL as its superuser, which `sql` refuses unless told."""
+    return [] if db_url.startswith("sqlite") else ["--allow-superuser"]
 
 
 def table_contents(db_url: str) -> dict[str, Any]:
@@ -1014,12 +1138,18 @@ def test_sql_refuses_every_write(sql_store: Populated, capsys: pytest.CaptureFix
     before = table_contents(sql_store.db_url)
     assert len(before["runs"]) == 2
     assert "evil" not in before["tables"]
-    for statement in REFUSED:
-        code, out, err = cli(sql_store, capsys, "sql", statement)
-        assert (code, out) == (3, ""), statement
+    flags = superuser_flag(sql_store.db_url)
+    for statement in NOT_A_QUERY:
+        code, out, err = cli(sql_store, capsys, "sql", statement, *flags)
+        assert (code, out) == (2, ""), statement
         assert_one_line_error(err, "read-only")
-        assert refusal(sql_store.db_url, statement).search(err), (statement, err)
         assert table_contents(sql_store.db_url) == before, statement
+    code, out, err = cli(sql_store, capsys, "sql", WRITING_QUERY, *flags)
+    assert (code, out) == (3, "")
+    assert_one_line_error(err)
+    refusal = SQLITE_REFUSAL if sql_store.db_url.startswith("sqlite") else POSTGRES_REFUSAL
+    assert refusal.search(err), err
+    assert table_contents(sql_store.db_url) == before
     # Still a working manifest afterwards.
     assert cli(sql_store, capsys, "latest", "alpha") == (0, "7\n", "")
 
@@ -1032,7 +1162,8 @@ def test_sql_honours_options_in_the_postgresql_url(
         run.save(1, {"policy": {"w": randn(1, 8)}}).wait()
     base = ["--db", pg_schema_url, "--store", str(tmp_path / "store")]
     capsys.readouterr()
-    code = main([*base, "--json", "sql", "SELECT name FROM runs"])
+    # The test server's login is its superuser.
+    code = main([*base, "--json", "sql", "SELECT name FROM runs", "--allow-superuser"])
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out) == [{"name": "alpha"}]

@@ -1,0 +1,142 @@
+"""The run and component name grammar, steps, RUN@STEP, and printing names safely."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckptstore.errors import ConfigError
+from ckptstore.names import (
+    MAX_STEP,
+    check_component_name,
+    check_kind,
+    check_run_name,
+    check_step,
+    parse_target,
+    printable,
+)
+
+
+@pytest.mark.parametrize(
+    "name", ["grpo-7b", "base-d60333723fab", "run.2026-12-01", "team/exp 3", "résumé", "a" * 255]
+)
+def test_run_names_people_use_are_accepted(name: str) -> None:
+    assert check_run_name(name) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("", "1-255"),
+        ("a" * 256, "1-255"),
+        ("with\x00nul", "U+0000"),
+        ("\x1b[31mred", "U+001B"),
+        ("line\nbreak", "U+000A"),
+        ("bidi\u202eevil", "U+202E"),
+        ("zero\u200bwidth", "U+200B"),
+        ("a@b", "RUN@STEP"),
+        (" padded", "whitespace"),
+        ("padded\t", "U+0009"),
+    ],
+)
+def test_run_names_that_break_the_cli_or_the_terminal_are_refused(name: str, why: str) -> None:
+    with pytest.raises(ConfigError, match="run name") as excinfo:
+        check_run_name(name)
+    assert why in str(excinfo.value)
+    assert "\x1b" not in str(excinfo.value)
+    assert "\n" not in str(excinfo.value)
+
+
+def test_a_run_name_must_be_a_string() -> None:
+    with pytest.raises(ConfigError, match="string"):
+        check_run_name(3)
+
+
+@pytest.mark.parametrize(
+    "name", ["policy", "policy/rank3", "optimizer/shard-0", "replay_buffer/g.12", "a:b=c,d+e"]
+)
+def test_component_names_are_accepted(name: str) -> None:
+    assert check_component_name(name) == name
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "policy/",
+        "/policy",
+        "../x",
+        "a/../b",
+        "a/./b",
+        ".",
+        "..",
+        "a//b",
+        "sp ace",
+        "é",
+        "x\x00",
+        "a" * 256,
+        "back\\slash",
+        "a@b",
+    ],
+)
+def test_component_names_that_are_not_safe_paths_are_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="invalid component name"):
+        check_component_name(name)
+
+
+@pytest.mark.parametrize("step", [0, 1, 10**12, MAX_STEP])
+def test_steps_in_range(step: int) -> None:
+    assert check_step(step) == step
+
+
+@pytest.mark.parametrize("step", [-1, MAX_STEP + 1, 2**70, "3", 3.0, True, None])
+def test_steps_out_of_range_or_not_ints_are_config_errors(step: object) -> None:
+    with pytest.raises(ConfigError, match="step"):
+        check_step(step)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("run", ("run", None)),
+        ("run@12", ("run", 12)),
+        ("a@b@3", ("a@b", 3)),
+        (f"r@{MAX_STEP}", ("r", MAX_STEP)),
+    ],
+)
+def test_parse_target(text: str, expected: tuple[str, int | None]) -> None:
+    assert parse_target(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["run@", "@3", "run@-1", "run@1.5", "run@١٢", "run@²", f"run@{MAX_STEP + 1}", "r@ 3"]
+)
+def test_parse_target_refuses_what_is_not_an_int64_step(text: str) -> None:
+    with pytest.raises(ConfigError, match="RUN@STEP"):
+        parse_target(text)
+
+
+def test_printable_escapes_control_and_invisible_characters() -> None:
+    assert printable("plain name") == "plain name"
+    assert printable("\x1b[31mred\x1b[0m") == "\\x1b[31mred\\x1b[0m"
+    assert printable("a\u202eb") == "a\\u202eb"
+    assert printable("tab\there") == "tab\\x09here"
+    assert printable("back\\slash\x00") == "back\\\\slash\\x00"
+
+
+@given(st.text())
+def test_printable_output_has_nothing_a_terminal_interprets(text: str) -> None:
+    shown = printable(text)
+    assert all(ch == " " or ch.isprintable() for ch in shown)
+
+
+@pytest.mark.parametrize("kind", ["state", "policy", "optimizer", "replay_buffer", "x" * 32])
+def test_component_kinds(kind: str) -> None:
+    assert check_kind(kind) == kind
+
+
+@pytest.mark.parametrize("kind", ["", "Policy", "x" * 33, "has space", "1st", None, "a-b"])
+def test_bad_component_kinds_are_refused(kind: object) -> None:
+    with pytest.raises(ConfigError, match="invalid component kind"):
+        check_kind(kind)
