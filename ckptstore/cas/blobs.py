@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ckptstore.cas import codec as codecs
+from ckptstore.cas import codec
 from ckptstore.cas.digest import blob_key, digest_bytes, from_raw, raw_digest
-from ckptstore.cas.header import MAX_RAW_LEN, Codec, Header, Kind, decode_header
-from ckptstore.errors import IntegrityError, ObjectNotFoundError
+from ckptstore.cas.header import MAX_PARAMS, MAX_RAW_LEN, Header, Kind, decode_header
+from ckptstore.errors import ConfigError, IntegrityError, ObjectNotFoundError
 from ckptstore.objectstore.base import BytesLike, ObjectStore
 
 
@@ -22,8 +22,9 @@ class BlobRef:
 
     digest: str
     kind: Kind
-    #: How this write encoded it; None if the blob was already stored (not re-read).
-    codec: Codec | None
+    #: The name of the codec this write encoded it with (what the manifest records); None if
+    #: the blob was already stored (not re-read).
+    codec: str | None
     logical_bytes: int
     stored_bytes: int
     #: True if this write uploaded the object; False if it was already in the store.
@@ -34,7 +35,12 @@ def encode_object(
     raw: memoryview, digest: str, kind: Kind, *, itemsize: int, float_like: bool, threshold: float
 ) -> tuple[Header, list[memoryview]]:
     """Header and payload parts of the stored object for ``raw`` (payload may alias ``raw``)."""
-    enc = codecs.encode(raw, itemsize=itemsize, float_like=float_like, threshold=threshold)
+    enc = codec.encode(raw, itemsize=itemsize, float_like=float_like, threshold=threshold)
+    if len(enc.params) > MAX_PARAMS or not 1 <= enc.itemsize <= 255:
+        raise ConfigError(
+            f"codec {enc.codec.name!r} set itemsize {enc.itemsize} and {len(enc.params)} bytes "
+            f"of params; a header holds an itemsize of 1-255 and at most {MAX_PARAMS} bytes"
+        )
     header = Header(
         kind=kind,
         codec=enc.codec,
@@ -54,7 +60,7 @@ def put_blob(
     *,
     itemsize: int = 1,
     float_like: bool = False,
-    threshold: float = codecs.MIN_GAIN,
+    threshold: float = codec.MIN_GAIN,
     digest: str | None = None,
     skip_existing: bool = True,
 ) -> BlobRef:
@@ -74,7 +80,12 @@ def put_blob(
     )
     created = store.put(key, [header.encode(), *payload])
     return BlobRef(
-        digest, kind, header.codec, view.nbytes, header.size + header.stored_len, uploaded=created
+        digest,
+        kind,
+        header.codec.name,
+        view.nbytes,
+        header.size + header.stored_len,
+        uploaded=created,
     )
 
 
@@ -95,9 +106,12 @@ def decode_object(
             "this blob can hold (damaged or crafted)"
         )
     payload = data[header.size :]
-    raw = codecs.decode(
-        header.codec, header.itemsize, header.params, payload, header.raw_len, where
-    )
+    try:
+        raw = header.codec.decode(
+            payload, header.raw_len, itemsize=header.itemsize, params=header.params, where=where
+        )
+    except (MemoryError, ValueError) as exc:
+        raise IntegrityError(f"{where}: payload does not decode ({exc})") from exc
     actual = digest_bytes(raw)
     if actual != digest:
         raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")

@@ -1,4 +1,4 @@
-"""Blob codecs: raw, zstd, and zstd after byte-grouping, chosen per blob by measured gain.
+"""The built-in blob codecs (raw, zstd, and zstd after byte-grouping) and the choice between them.
 
 Byte-grouping splits each element's bytes into planes (all first bytes, all second bytes, ...).
 For floats nearly all the gain is in the sign/exponent plane; the mantissa planes look random.
@@ -8,6 +8,8 @@ its time where it pays.
 Whether compressing is worth it also depends on where the bytes go (DESIGN.md §4): on a fast local
 disk writing raw bytes beats compressing them unless the gain is large; on an object store over a
 network a modest gain already saves wall time. :func:`min_gain` turns that into a threshold.
+
+Importing this module registers the built-in codecs (see :mod:`ckptstore.cas.codecs`).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ from __future__ import annotations
 import enum
 import struct
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import zstandard
 
-from ckptstore.cas.header import MAX_RAW_LEN, Codec
+from ckptstore.cas import codecs
+from ckptstore.cas.codecs import Encoded
 from ckptstore.errors import ConfigError, IntegrityError
 
 #: What "not worth it" means: a blob is stored raw if compression saves less than this.
@@ -33,6 +35,7 @@ COMPRESS_BYTES_PER_S = 1.0e9
 MAX_REQUIRED_GAIN = 0.5
 _SAMPLE = 64 << 10
 _SAMPLES = 3
+#: One byte plane in a byte-grouped blob's params: its codec (the id of raw or zstd), length.
 _PLANE = struct.Struct("<BQ")
 _LEVEL = 1
 
@@ -49,6 +52,7 @@ class Compression(enum.StrEnum):
 
     @classmethod
     def parse(cls, value: str | Compression) -> Compression:
+        """The policy ``value`` names; ``ConfigError`` naming the choices otherwise."""
         try:
             return cls(value)
         except ValueError:
@@ -64,6 +68,23 @@ def min_gain(policy: Compression, write_bandwidth: float) -> float:
     if policy is Compression.ALWAYS:
         return MIN_GAIN
     return max(MIN_GAIN, min(MAX_REQUIRED_GAIN, write_bandwidth / COMPRESS_BYTES_PER_S))
+
+
+def encode(
+    raw: memoryview, *, itemsize: int = 1, float_like: bool = False, threshold: float = MIN_GAIN
+) -> Encoded:
+    """``raw`` as the first registered codec that saves at least ``threshold`` encodes it;
+    raw if every codec declines."""
+    if threshold <= 1.0 and raw.nbytes:
+        for candidate in codecs.registered():
+            if candidate is RAW:
+                continue  # the fallback, not a candidate
+            encoded = candidate.encode(
+                raw, itemsize=itemsize, float_like=float_like, threshold=threshold
+            )
+            if encoded is not None:
+                return encoded
+    return Encoded(RAW, [raw])
 
 
 _local = threading.local()
@@ -82,18 +103,6 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     if dec is None:
         dec = _local.decompressor = zstandard.ZstdDecompressor()
     return dec
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    codec: Codec
-    itemsize: int
-    params: bytes
-    payload: list[memoryview]
-
-    @property
-    def stored_len(self) -> int:
-        return sum(p.nbytes for p in self.payload)
 
 
 def _sample(view: memoryview, itemsize: int) -> memoryview | bytes:
@@ -121,15 +130,98 @@ def _gain(raw: memoryview | bytes, compressed_len: int) -> float:
     return 1.0 - compressed_len / n if n else 0.0
 
 
-def encode(
-    raw: memoryview, *, itemsize: int = 1, float_like: bool = False, threshold: float = MIN_GAIN
-) -> Encoded:
-    """Encode ``raw`` with the codec that shrinks it by at least ``threshold``, else raw."""
-    stored_raw = Encoded(Codec.RAW, 1, b"", [raw])
-    if threshold > 1.0 or raw.nbytes == 0:
-        return stored_raw
-    comp = _compressor()
-    if float_like and itemsize > 1 and raw.nbytes % itemsize == 0:
+def _byte_groupable(raw: memoryview, itemsize: int, float_like: bool) -> bool:
+    """Whether ``raw`` is whole elements of a float type: byte-grouping's data, not zstd's."""
+    return float_like and itemsize > 1 and raw.nbytes % itemsize == 0
+
+
+def _decompress(payload: memoryview | bytes, raw_len: int, where: str) -> bytes:
+    try:
+        out = _decompressor().decompress(payload, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"{where}: payload does not decode ({exc})") from exc
+    if len(out) != raw_len:
+        raise IntegrityError(f"{where}: decompressed to {len(out)} bytes, expected {raw_len}")
+    return out
+
+
+def _refuse_params(name: str, itemsize: int, params: bytes, where: str) -> None:
+    """A codec without parameters refuses a header that carries some (a damaged header)."""
+    if itemsize != 1 or params:
+        raise IntegrityError(
+            f"{where}: blob header has byte-grouping fields for codec {name} (corrupt)"
+        )
+
+
+class RawCodec:
+    """The bytes as they are: the fallback when no other codec saves enough."""
+
+    id = 0
+    name = "raw"
+
+    def encode(
+        self, raw: memoryview, *, itemsize: int, float_like: bool, threshold: float
+    ) -> Encoded:
+        """``raw`` itself (never declines)."""
+        return Encoded(self, [raw])
+
+    def decode(
+        self, payload: memoryview, raw_len: int, *, itemsize: int, params: bytes, where: str
+    ) -> memoryview:
+        """The payload itself, once its length is checked."""
+        _refuse_params(self.name, itemsize, params, where)
+        if payload.nbytes != raw_len:
+            raise IntegrityError(f"{where}: raw payload is {payload.nbytes}, not {raw_len}")
+        return payload
+
+
+class ZstdCodec:
+    """One zstd frame of the whole blob, for data that is not typed floats."""
+
+    id = 1
+    name = "zstd"
+
+    def encode(
+        self, raw: memoryview, *, itemsize: int, float_like: bool, threshold: float
+    ) -> Encoded | None:
+        """One frame, if a sample and then the whole shrink by ``threshold``."""
+        # Typed floats are byte-grouping's: where it declines, their random mantissa bytes
+        # keep plain zstd from paying too, and trying would compress everything twice.
+        if _byte_groupable(raw, itemsize, float_like):
+            return None
+        comp = _compressor()
+        sample = _sample(raw, 1)
+        if _gain(sample, len(comp.compress(sample))) < threshold:
+            return None
+        out = comp.compress(raw)
+        if _gain(raw, len(out)) < threshold:
+            return None
+        return Encoded(self, [memoryview(out)])
+
+    def decode(
+        self, payload: memoryview, raw_len: int, *, itemsize: int, params: bytes, where: str
+    ) -> memoryview:
+        """The decompressed frame, refused if it is not exactly ``raw_len`` bytes."""
+        _refuse_params(self.name, itemsize, params, where)
+        return memoryview(_decompress(payload, raw_len, where))
+
+
+class ByteGroupedZstdCodec:
+    """Byte planes of typed floats, each zstd-compressed if that pays (see module docstring).
+
+    Params: per plane its codec (raw's or zstd's id, u8) and stored length (u64).
+    """
+
+    id = 2
+    name = "bgzstd"
+
+    def encode(
+        self, raw: memoryview, *, itemsize: int, float_like: bool, threshold: float
+    ) -> Encoded | None:
+        """The planes, if the sampled estimate and then the whole shrink by ``threshold``."""
+        if not _byte_groupable(raw, itemsize, float_like):
+            return None
+        comp = _compressor()
         sample_planes = _planes(memoryview(_sample(raw, itemsize)), itemsize)
         gains = [
             _gain(p, len(comp.compress(_bytes_view(np.ascontiguousarray(p)))))
@@ -137,85 +229,50 @@ def encode(
         ]
         keep = [g >= MIN_GAIN for g in gains]
         estimated = sum(g for g, k in zip(gains, keep, strict=True) if k) / itemsize
-        if estimated >= threshold:
-            return _encode_bytegrouped(raw, itemsize, keep, threshold)
-        return stored_raw
-    sample = _sample(raw, 1)
-    if _gain(sample, len(comp.compress(sample))) < threshold:
-        return stored_raw
-    out = comp.compress(raw)
-    if _gain(raw, len(out)) < threshold:
-        return stored_raw
-    return Encoded(Codec.ZSTD, 1, b"", [memoryview(out)])
+        if estimated < threshold:
+            return None
+        params = bytearray()
+        payload: list[memoryview] = []
+        for plane, compress in zip(_planes(raw, itemsize), keep, strict=True):
+            view = _bytes_view(np.ascontiguousarray(plane))
+            plane_codec = RawCodec.id
+            if compress:
+                packed = comp.compress(view)
+                if len(packed) < view.nbytes:
+                    view, plane_codec = memoryview(packed), ZstdCodec.id
+            params += _PLANE.pack(plane_codec, view.nbytes)
+            payload.append(view)
+        encoded = Encoded(self, payload, itemsize, bytes(params))
+        return encoded if _gain(raw, encoded.stored_len) >= threshold else None
+
+    def decode(
+        self, payload: memoryview, raw_len: int, *, itemsize: int, params: bytes, where: str
+    ) -> memoryview:
+        """The planes decoded and interleaved back into elements."""
+        if len(params) != itemsize * _PLANE.size or raw_len % itemsize:
+            raise IntegrityError(f"{where}: byte-grouping table does not match the element size")
+        count = raw_len // itemsize
+        out = np.empty((count, itemsize), dtype=np.uint8)
+        offset = 0
+        for i in range(itemsize):
+            plane_codec, length = _PLANE.unpack_from(params, i * _PLANE.size)
+            piece = payload[offset : offset + length]
+            if piece.nbytes != length:
+                raise IntegrityError(f"{where}: byte plane {i} is truncated")
+            offset += length
+            if plane_codec == ZstdCodec.id:
+                plane: memoryview | bytes = _decompress(piece, count, where)
+            elif plane_codec == RawCodec.id and length == count:
+                plane = piece
+            else:
+                raise IntegrityError(f"{where}: byte plane {i} has an invalid codec or length")
+            out[:, i] = np.frombuffer(plane, dtype=np.uint8)
+        if offset != payload.nbytes:
+            raise IntegrityError(f"{where}: payload has {payload.nbytes - offset} trailing bytes")
+        return _bytes_view(out)
 
 
-def _encode_bytegrouped(
-    raw: memoryview, itemsize: int, keep: list[bool], threshold: float
-) -> Encoded:
-    comp = _compressor()
-    params = bytearray()
-    payload: list[memoryview] = []
-    for plane, compress in zip(_planes(raw, itemsize), keep, strict=True):
-        view = _bytes_view(np.ascontiguousarray(plane))
-        codec = Codec.RAW
-        if compress:
-            packed = comp.compress(view)
-            if len(packed) < view.nbytes:
-                view, codec = memoryview(packed), Codec.ZSTD
-        params += _PLANE.pack(codec, view.nbytes)
-        payload.append(view)
-    encoded = Encoded(Codec.BGZSTD, itemsize, bytes(params), payload)
-    if _gain(raw, encoded.stored_len) < threshold:
-        return Encoded(Codec.RAW, 1, b"", [raw])
-    return encoded
-
-
-def decode(
-    codec: Codec, itemsize: int, params: bytes, payload: memoryview, raw_len: int, where: str
-) -> memoryview:
-    """The raw bytes of a payload; raises ``IntegrityError`` on any inconsistency."""
-    try:
-        if codec is Codec.RAW:
-            if payload.nbytes != raw_len:
-                raise IntegrityError(f"{where}: raw payload is {payload.nbytes}, not {raw_len}")
-            return payload
-        if codec is Codec.ZSTD:
-            return memoryview(_decompress(payload, raw_len, where))
-        return _decode_bytegrouped(itemsize, params, payload, raw_len, where)
-    except (zstandard.ZstdError, MemoryError, ValueError) as exc:
-        raise IntegrityError(f"{where}: payload does not decode ({exc})") from exc
-
-
-def _decompress(payload: memoryview | bytes, raw_len: int, where: str) -> bytes:
-    if raw_len > MAX_RAW_LEN:
-        raise IntegrityError(f"{where}: declared length {raw_len} is implausible")
-    out = _decompressor().decompress(payload, max_output_size=raw_len)
-    if len(out) != raw_len:
-        raise IntegrityError(f"{where}: decompressed to {len(out)} bytes, expected {raw_len}")
-    return out
-
-
-def _decode_bytegrouped(
-    itemsize: int, params: bytes, payload: memoryview, raw_len: int, where: str
-) -> memoryview:
-    if len(params) != itemsize * _PLANE.size or raw_len % itemsize:
-        raise IntegrityError(f"{where}: byte-grouping table does not match the element size")
-    count = raw_len // itemsize
-    out = np.empty((count, itemsize), dtype=np.uint8)
-    offset = 0
-    for i in range(itemsize):
-        codec, length = _PLANE.unpack_from(params, i * _PLANE.size)
-        piece = payload[offset : offset + length]
-        if piece.nbytes != length:
-            raise IntegrityError(f"{where}: byte plane {i} is truncated")
-        offset += length
-        if codec == Codec.ZSTD:
-            plane: memoryview | bytes = _decompress(piece, count, where)
-        elif codec == Codec.RAW and length == count:
-            plane = piece
-        else:
-            raise IntegrityError(f"{where}: byte plane {i} has an invalid codec or length")
-        out[:, i] = np.frombuffer(plane, dtype=np.uint8)
-    if offset != payload.nbytes:
-        raise IntegrityError(f"{where}: payload has {payload.nbytes - offset} trailing bytes")
-    return _bytes_view(out)
+RAW = codecs.register(RawCodec())
+# Byte-grouping before plain zstd: the order in which encode() offers them a blob.
+BGZSTD = codecs.register(ByteGroupedZstdCodec())
+ZSTD = codecs.register(ZstdCodec())

@@ -10,7 +10,6 @@ from ckptstore.errors import IntegrityError
 from ckptstore.objectstore.base import BytesLike
 
 ALGORITHM = "b3"
-DIGEST_SIZE = 32
 _DIGEST_RE = re.compile(r"^b3:[0-9a-f]{64}$")
 # Above this, BLAKE3's own tree parallelism pays for its thread start-up.
 _MULTITHREAD_MIN = 32 << 20
@@ -30,10 +29,12 @@ def raw_digest(digest: str) -> bytes:
 
 
 def from_raw(raw: bytes) -> str:
+    """The tagged digest of 32 raw digest bytes (the inverse of :func:`raw_digest`)."""
     return f"{ALGORITHM}:{raw.hex()}"
 
 
 def check_digest(digest: str) -> str:
+    """``digest`` if it is a well-formed tagged digest, else ``IntegrityError``."""
     if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
         raise IntegrityError(f"malformed blob digest {digest!r}: expected 'b3:' and 64 hex digits")
     return digest

@@ -6,8 +6,8 @@ blob is aligned for any dtype when read into memory::
     magic      4s   b"CKPB"
     version    u8   2
     kind       u8   0 chunk, 1 pack, 2 index
-    codec      u8   0 raw, 1 zstd, 2 byte-grouped zstd
-    itemsize   u8   element size the byte-grouping used (1 otherwise)
+    codec      u8   the codec's id (ckptstore.cas.codecs): 0 raw, 1 zstd, 2 byte-grouped zstd
+    itemsize   u8   element size the codec grouped bytes by (1 otherwise)
     raw_len    u64  length of the raw bytes the digest covers
     stored_len u64  length of the payload that follows the header
     digest     32s  BLAKE3-256 of the raw bytes
@@ -16,7 +16,9 @@ blob is aligned for any dtype when read into memory::
     params     ...  codec parameters (byte-grouping: per plane u8 codec + u64 length)
 
 The digest checks the data; the CRC checks the header itself, so that a flipped bit which
-happens not to change the decoded bytes (a chunk read as a pack, say) is still reported.
+happens not to change the decoded bytes (a chunk read as a pack, say) is still reported. This
+module checks the fields every blob has; what ``itemsize`` and ``params`` may hold is for the
+codec to check when it decodes.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+from ckptstore.cas import codecs
+from ckptstore.cas.codecs import Codec
 from ckptstore.errors import IntegrityError
 
 MAGIC = b"CKPB"
@@ -33,27 +37,26 @@ VERSION = 2
 ALIGN = 64
 _FIXED = struct.Struct("<4sBBBBQQ32sII")
 _CRC_AT = _FIXED.size - 4
-#: A header never needs more: the byte-grouping table holds at most 16 planes.
-MAX_HEADER = 512
+#: Codec parameters never need more: the byte-grouping table holds at most 16 planes.
+MAX_PARAMS = 512
 #: Hard limit on one blob's raw length; guards allocation against crafted headers.
 MAX_RAW_LEN = 1 << 36
 
 
 class Kind(enum.IntEnum):
+    """What a blob holds (DESIGN.md §4)."""
+
     CHUNK = 0
     PACK = 1
     INDEX = 2
 
 
-class Codec(enum.IntEnum):
-    RAW = 0
-    ZSTD = 1
-    BGZSTD = 2
-
-
 @dataclass(frozen=True, slots=True)
 class Header:
+    """The decoded header of one stored blob."""
+
     kind: Kind
+    #: The registered codec whose id the header names.
     codec: Codec
     itemsize: int
     raw_len: int
@@ -67,11 +70,12 @@ class Header:
         return _padded(_FIXED.size + len(self.params))
 
     def encode(self) -> bytes:
+        """The header as stored: fixed fields, CRC, params, zero padding."""
         fixed = _FIXED.pack(
             MAGIC,
             VERSION,
             self.kind,
-            self.codec,
+            self.codec.id,
             self.itemsize,
             self.raw_len,
             self.stored_len,
@@ -92,7 +96,7 @@ def decode_header(data: memoryview, where: str) -> Header:
     """Parse and sanity-check the header at the start of ``data`` (a whole stored object)."""
     if data.nbytes < _FIXED.size:
         raise IntegrityError(f"{where}: object is {data.nbytes} bytes, too short for a blob header")
-    magic, version, kind, codec, itemsize, raw_len, stored_len, digest, params_len, crc = (
+    magic, version, kind, codec_id, itemsize, raw_len, stored_len, digest, params_len, crc = (
         _FIXED.unpack_from(data)
     )
     if magic != MAGIC:
@@ -108,20 +112,17 @@ def decode_header(data: memoryview, where: str) -> Header:
             f"does not read (it reads {VERSION}), or the header is damaged"
         )
     try:
-        kind_e, codec_e = Kind(kind), Codec(codec)
+        kind_e = Kind(kind)
     except ValueError as exc:
-        raise IntegrityError(f"{where}: unknown blob kind {kind} or codec {codec}") from exc
-    if params_len > MAX_HEADER or raw_len > MAX_RAW_LEN or itemsize < 1:
+        raise IntegrityError(f"{where}: unknown blob kind {kind} (corrupt or crafted)") from exc
+    codec = codecs.by_id(codec_id, where)
+    if params_len > MAX_PARAMS or raw_len > MAX_RAW_LEN or itemsize < 1:
         raise IntegrityError(f"{where}: implausible blob header (corrupt or crafted)")
-    if codec_e is not Codec.BGZSTD and (itemsize != 1 or params_len != 0):
-        raise IntegrityError(
-            f"{where}: blob header has byte-grouping fields for codec {codec_e.name} (corrupt)"
-        )
     params = bytes(data[_FIXED.size : _FIXED.size + params_len])
     unsealed = bytes(data[:_CRC_AT]) + bytes(4)
     if zlib.crc32(params, zlib.crc32(unsealed)) != crc:
         raise IntegrityError(f"{where}: blob header fails its checksum (corrupt)")
-    header = Header(kind_e, codec_e, itemsize, raw_len, stored_len, bytes(digest), params)
+    header = Header(kind_e, codec, itemsize, raw_len, stored_len, bytes(digest), params)
     if data.nbytes >= header.size and any(data[_FIXED.size + params_len : header.size]):
         raise IntegrityError(f"{where}: blob header padding is not zero (corrupt)")
     if data.nbytes != header.size + stored_len:

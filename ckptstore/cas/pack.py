@@ -20,6 +20,8 @@ _ALIGN = 8
 
 @dataclass(frozen=True, slots=True)
 class PackItem:
+    """One item of a pack: its name and where its bytes lie in the pack's raw bytes."""
+
     name: str
     offset: int
     length: int
@@ -34,13 +36,16 @@ class PackBuilder:
     size: int = 0
 
     def fits(self, nbytes: int) -> bool:
+        """Whether an item of ``nbytes`` still fits (an empty pack takes any one item)."""
         return not self.items or self.size + _aligned(nbytes) <= self.limit
 
     def add(self, name: str, data: memoryview) -> None:
+        """Append ``data`` under ``name`` (kept as a view until :meth:`build`)."""
         self.items.append((name, data))
         self.size += _aligned(data.nbytes)
 
     def build(self) -> tuple[bytearray, list[PackItem]]:
+        """The pack's raw bytes (items, table of contents, trailer) and its items."""
         toc: list[PackItem] = []
         out = bytearray(self.size)
         offset = 0

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptstore.cas import codec as codecs
+from ckptstore.cas import codec
 from ckptstore.cas.blobs import BlobRef, put_blob
 from ckptstore.cas.digest import digest_bytes
 from ckptstore.cas.header import Kind
@@ -51,9 +51,10 @@ class WriterOptions:
             raise ConfigError("WriterOptions.max_workers must be >= 0 (0 = automatic)")
         if self.max_inflight_bytes < 1 * MiB:
             raise ConfigError("WriterOptions.max_inflight_bytes must be at least 1 MiB")
-        codecs.Compression.parse(self.compression)
+        codec.Compression.parse(self.compression)
 
     def workers(self) -> int:
+        """The number of worker threads to run (``max_workers``, or one from the CPU count)."""
         return self.max_workers or min(16, 2 * (os.cpu_count() or 1) + 2)
 
 
@@ -93,8 +94,8 @@ class BlobWriter:
     ) -> None:
         self.store = store
         self.options = options or WriterOptions()
-        self._threshold = codecs.min_gain(
-            codecs.Compression.parse(self.options.compression), store.write_bandwidth_hint
+        self._threshold = codec.min_gain(
+            codec.Compression.parse(self.options.compression), store.write_bandwidth_hint
         )
         self._known = known
         self._budget = _ByteBudget(self.options.max_inflight_bytes)
@@ -170,6 +171,7 @@ class BlobWriter:
             self._stored.clear()
 
     def close(self) -> None:
+        """Wait for queued blobs to be stored, then stop the worker threads."""
         self._pool.shutdown(wait=True)
 
     def __enter__(self) -> BlobWriter:

@@ -10,6 +10,7 @@ from ckptstore.serialize.load import (
     load_paths,
     read_index,
 )
+from ckptstore.serialize.reader import ComponentReader
 from ckptstore.serialize.save import (
     ComponentResult,
     FlatState,
@@ -21,6 +22,7 @@ from ckptstore.serialize.save import (
 
 __all__ = [
     "ComponentIndex",
+    "ComponentReader",
     "ComponentResult",
     "FlatState",
     "Entry",

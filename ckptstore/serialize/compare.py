@@ -69,7 +69,3 @@ def _plain(value: Any) -> Any:
 def _is_tensordict(value: Any) -> bool:
     base = getattr(sys.modules.get("tensordict"), "TensorDictBase", None)
     return isinstance(base, type) and isinstance(value, base)
-
-
-def bitwise_equal(a: Any, b: Any) -> bool:
-    return first_difference(a, b) is None

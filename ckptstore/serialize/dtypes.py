@@ -36,6 +36,7 @@ _FLOAT_KINDS = "fc"
 
 
 def torch_dtype_name(dtype: torch.dtype, path: str) -> str:
+    """The name an index stores for ``dtype``; ``SerializationError`` if it cannot be saved."""
     name = str(dtype).removeprefix("torch.")
     if name not in TORCH_DTYPES:
         raise SerializationError(f"{path}: tensors of dtype {dtype} cannot be checkpointed")
@@ -43,6 +44,7 @@ def torch_dtype_name(dtype: torch.dtype, path: str) -> str:
 
 
 def torch_dtype(name: str, where: str) -> torch.dtype:
+    """The torch dtype an index names; ``SerializationError`` naming ``where`` if unknown."""
     try:
         return TORCH_DTYPES[name]
     except (KeyError, TypeError):

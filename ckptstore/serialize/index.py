@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,8 @@ class Segment:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
+    """One value of a component: an array's bytes (in segments of blobs), or a JSON value."""
+
     path: str
     kind: str
     dtype: str = ""
@@ -45,9 +48,11 @@ class Entry:
 
     @property
     def is_array(self) -> bool:
+        """Whether the entry owns bytes in blobs (else it holds a JSON ``value``)."""
         return self.kind in ARRAY_KINDS
 
     def to_json(self) -> dict[str, Any]:
+        """The entry as the index document stores it."""
         if not self.is_array:
             return {"path": self.path, "kind": self.kind, "value": self.value}
         return {
@@ -62,10 +67,13 @@ class Entry:
 
 @dataclass(frozen=True, slots=True)
 class ComponentIndex:
+    """A component's structure tree and entry list, as its index blob stores them."""
+
     tree: Any
     entries: tuple[Entry, ...]
 
     def encode(self) -> bytes:
+        """The index document as stored (compact JSON)."""
         doc = {
             "format": FORMAT,
             "version": VERSION,
@@ -81,13 +89,29 @@ class ComponentIndex:
 
     @property
     def logical_bytes(self) -> int:
+        """Bytes of array data the entries hold."""
         return sum(e.nbytes for e in self.entries)
 
     def entry(self, path: str) -> Entry:
+        """The entry at ``path``; ``KeyError`` if there is none."""
         for e in self.entries:
             if e.path == path:
                 return e
         raise KeyError(path)
+
+    def select(self, paths: Iterable[str]) -> list[int]:
+        """Positions of entries named by ``paths``: exact paths, or ``prefix/`` for a subtree."""
+        chosen: list[int] = []
+        for path in paths:
+            hits = [
+                i
+                for i, e in enumerate(self.entries)
+                if e.path == path or (path.endswith("/") and e.path.startswith(path))
+            ]
+            if not hits:
+                raise KeyError(f"no entry {path!r} in this component")
+            chosen.extend(hits)
+        return chosen
 
 
 def decode_index(data: bytes | memoryview, where: str) -> ComponentIndex:

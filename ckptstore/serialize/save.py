@@ -31,10 +31,12 @@ class ComponentResult:
 
     @property
     def stored_bytes(self) -> int:
+        """Bytes the component's distinct blobs occupy in the store, headers included."""
         return sum(b.stored_bytes for b in self.blobs)
 
     @property
     def uploaded_bytes(self) -> int:
+        """Bytes this save uploaded (blobs that were not yet stored)."""
         return sum(b.stored_bytes for b in self.blobs if b.uploaded)
 
 
@@ -90,10 +92,6 @@ class FlatState:
 
     tree: Any
     leaves: list[Leaf]
-
-    @property
-    def logical_bytes(self) -> int:
-        return sum(leaf.data.nbytes for leaf in self.leaves if leaf.data is not None)
 
 
 def flatten_state(

@@ -66,6 +66,7 @@ def escape_key(key: str | int) -> str:
 
 
 def join(prefix: str, key: str | int) -> str:
+    """The path of ``key`` under ``prefix`` (escaped, ``/``-separated)."""
     return f"{prefix}/{escape_key(key)}" if prefix else escape_key(key)
 
 
@@ -83,6 +84,7 @@ class Flattener:
         self._td_types = _tensordict_types()
 
     def flatten(self, value: Any, path: str = "", depth: int = 0) -> Any:
+        """The tree node for ``value`` at ``path``; its leaves are appended to ``leaves``."""
         if depth > MAX_DEPTH:
             raise SerializationError(f"{path or '<root>'}: nesting deeper than {MAX_DEPTH} levels")
         if isinstance(value, torch.Tensor):

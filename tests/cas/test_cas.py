@@ -32,7 +32,7 @@ from ckptstore.cas import (
     put_blob,
 )
 from ckptstore.cas.blobs import BlobRef, decode_object
-from ckptstore.cas.codec import MIN_GAIN, min_gain
+from ckptstore.cas.codec import BGZSTD, MIN_GAIN, RAW, ZSTD, min_gain
 from ckptstore.cas.header import ALIGN, MAGIC, Header, decode_header
 from ckptstore.cas.pack import read_toc
 from ckptstore.errors import ConfigError, IntegrityError, ObjectStoreError
@@ -194,7 +194,7 @@ def test_stored_object_layout_matches_the_documented_header(store: LocalStore) -
         MAGIC,
         2,
         Kind.CHUNK,
-        Codec.RAW,
+        RAW.id,
         1,
         5000,
         5000,
@@ -213,10 +213,10 @@ def test_stored_object_layout_matches_the_documented_header(store: LocalStore) -
 @pytest.mark.parametrize(
     ("raw", "itemsize", "float_like", "codec"),
     [
-        (random_bytes(300_000), 1, False, Codec.RAW),
-        (zipf_tokens(40_000).numpy().tobytes(), 8, False, Codec.ZSTD),
-        (bf16_weights(150_000).view(torch.uint8).numpy().tobytes(), 2, True, Codec.BGZSTD),
-        (b"", 1, False, Codec.RAW),
+        (random_bytes(300_000), 1, False, RAW),
+        (zipf_tokens(40_000).numpy().tobytes(), 8, False, ZSTD),
+        (bf16_weights(150_000).view(torch.uint8).numpy().tobytes(), 2, True, BGZSTD),
+        (b"", 1, False, RAW),
     ],
     ids=["raw", "zstd", "bgzstd", "empty"],
 )
@@ -224,7 +224,7 @@ def test_every_codec_round_trips_through_decode_object(
     store: LocalStore, raw: bytes, itemsize: int, float_like: bool, codec: Codec
 ) -> None:
     ref = put_blob(store, raw, Kind.CHUNK, itemsize=itemsize, float_like=float_like)
-    assert ref.codec is codec
+    assert ref.codec == codec.name
     stored = store.get(blob_key(ref.digest))
     header, decoded = decode_object(memoryview(stored), ref.digest, "test")
     assert bytes(decoded) == raw
@@ -232,10 +232,10 @@ def test_every_codec_round_trips_through_decode_object(
     assert header.raw_len == len(raw)
     assert header.size % ALIGN == 0
     assert header.size + header.stored_len == len(stored)
-    if codec is Codec.BGZSTD:
+    if codec is BGZSTD:
         assert header.itemsize == itemsize
         assert len(header.params) == itemsize * struct.calcsize("<BQ")
-    if codec is not Codec.RAW:
+    if codec is not RAW:
         assert header.stored_len < len(raw) * (1 - MIN_GAIN)
     _, fetched = get_blob(store, ref.digest)
     assert bytes(fetched) == raw
@@ -331,10 +331,10 @@ def codecs_by_path(store: LocalStore, result: ComponentResult) -> dict[str, set[
 def test_compression_never_stores_every_blob_raw(store: LocalStore) -> None:
     state = mixed_state()
     result = save(store, state, compression="never", chunk_bytes=MiB)
-    assert {b.codec for b in result.blobs} == {Codec.RAW}
+    assert {b.codec for b in result.blobs} == {RAW.name}
     for digest in {b.digest for b in result.blobs}:
         header = header_of(store, digest)
-        assert header.codec is Codec.RAW
+        assert header.codec is RAW
         assert header.stored_len == header.raw_len
     assert first_difference(state, load_component(store, result.index_digest)) is None
 
@@ -343,17 +343,17 @@ def test_compression_always_picks_the_codec_by_content(store: LocalStore) -> Non
     state = mixed_state()
     result = save(store, state, compression="always", chunk_bytes=MiB)
     codecs = codecs_by_path(store, result)
-    assert codecs["weights"] == {Codec.BGZSTD}
-    assert codecs["tokens"] == {Codec.ZSTD}
-    assert codecs["noise"] == {Codec.RAW}
-    assert codecs["zeros"] <= {Codec.ZSTD, Codec.BGZSTD}
+    assert codecs["weights"] == {BGZSTD}
+    assert codecs["tokens"] == {ZSTD}
+    assert codecs["noise"] == {RAW}
+    assert codecs["zeros"] <= {ZSTD, BGZSTD}
     for digest in chunk_digests(store, result, "weights"):
         header = header_of(store, digest)
         assert header.itemsize == 2
         assert header.stored_len < 0.95 * header.raw_len
         # The sign/exponent byte (the high byte, little-endian) is the one that compresses.
         high_codec, high_len = struct.unpack_from("<BQ", header.params, struct.calcsize("<BQ"))
-        assert high_codec == Codec.ZSTD
+        assert high_codec == ZSTD.id
         assert high_len < header.raw_len // 2
     for digest in chunk_digests(store, result, "tokens"):
         header = header_of(store, digest)
@@ -369,8 +369,8 @@ def test_compression_auto_on_local_disk_keeps_fp32_raw_but_compresses_zeros(
     assert store.write_bandwidth_hint == 1.5e9
     result = save(store, state, compression="auto", chunk_bytes=MiB)
     codecs = codecs_by_path(store, result)
-    assert codecs["fp32"] == {Codec.RAW}
-    assert Codec.RAW not in codecs["zeros"]
+    assert codecs["fp32"] == {RAW}
+    assert RAW not in codecs["zeros"]
     zeros_stored = sum(
         header_of(store, d).stored_len for d in chunk_digests(store, result, "zeros")
     )
@@ -422,7 +422,7 @@ def pick_blob(store: LocalStore, result: ComponentResult, which: str) -> str:
         return pack.digest
     path = {"raw chunk": "noise", "zstd chunk": "tokens", "bgzstd chunk": "weights"}[which]
     (digest,) = chunk_digests(store, result, path)
-    expected = {"noise": Codec.RAW, "tokens": Codec.ZSTD, "weights": Codec.BGZSTD}[path]
+    expected = {"noise": RAW, "tokens": ZSTD, "weights": BGZSTD}[path]
     assert header_of(store, digest).codec is expected
     return digest
 

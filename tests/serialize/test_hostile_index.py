@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from ckptstore.cas import BlobWriter, Kind, WriterOptions, blob_key, digest_bytes, put_blob
-from ckptstore.cas.header import ALIGN, MAGIC, Codec
+from ckptstore.cas.codec import BGZSTD, RAW, ZSTD
+from ckptstore.cas.header import ALIGN, MAGIC
 from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize import load_component, load_paths, write_component
@@ -371,7 +372,7 @@ def crafted(raw_len: int, stored: bytes, digest: str, **fields: Any) -> bytes:
         "magic": MAGIC,
         "version": 2,
         "kind": Kind.CHUNK,
-        "codec": Codec.RAW,
+        "codec": RAW.id,
         "itemsize": 1,
         "raw_len": raw_len,
         "stored_len": len(stored),
@@ -399,7 +400,7 @@ def test_a_zstd_payload_that_expands_past_its_declared_length_is_refused(
     declared = 4096
     bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
     digest = digest_bytes(bytes(declared))
-    store.put(blob_key(digest), crafted(declared, bomb, digest, codec=Codec.ZSTD))
+    store.put(blob_key(digest), crafted(declared, bomb, digest, codec=ZSTD.id))
     with pytest.raises(IntegrityError, match=blob_key(digest)):
         load_component(store, index_over(store, digest, declared))
 
@@ -407,11 +408,11 @@ def test_a_zstd_payload_that_expands_past_its_declared_length_is_refused(
 @pytest.mark.parametrize(
     ("itemsize", "params"),
     [
-        (2, struct.pack("<BQ", Codec.RAW, 4096)),  # one plane described for two
-        (2, struct.pack("<BQBQ", Codec.RAW, 4096, Codec.RAW, 10**12)),  # a plane past the end
-        (2, struct.pack("<BQBQ", 7, 4096, Codec.RAW, 4096)),  # an unknown plane codec
-        (2, struct.pack("<BQBQ", Codec.RAW, 4000, Codec.RAW, 4192)),  # planes of wrong sizes
-        (3, struct.pack("<BQBQBQ", Codec.RAW, 2731, Codec.RAW, 2731, Codec.RAW, 2730)),
+        (2, struct.pack("<BQ", RAW.id, 4096)),  # one plane described for two
+        (2, struct.pack("<BQBQ", RAW.id, 4096, RAW.id, 10**12)),  # a plane past the end
+        (2, struct.pack("<BQBQ", 7, 4096, RAW.id, 4096)),  # an unknown plane codec
+        (2, struct.pack("<BQBQ", RAW.id, 4000, RAW.id, 4192)),  # planes of wrong sizes
+        (3, struct.pack("<BQBQBQ", RAW.id, 2731, RAW.id, 2731, RAW.id, 2730)),
     ],
 )
 def test_a_byte_grouped_blob_with_a_bad_plane_table_is_refused(
@@ -419,7 +420,7 @@ def test_a_byte_grouped_blob_with_a_bad_plane_table_is_refused(
 ) -> None:
     raw = bytes(range(256)) * 32
     digest = digest_bytes(raw)
-    blob = crafted(len(raw), raw, digest, codec=Codec.BGZSTD, itemsize=itemsize, params=params)
+    blob = crafted(len(raw), raw, digest, codec=BGZSTD.id, itemsize=itemsize, params=params)
     store.put(blob_key(digest), blob)
     with pytest.raises(IntegrityError, match=blob_key(digest)):
         load_component(store, index_over(store, digest, len(raw)))

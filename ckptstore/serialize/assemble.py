@@ -1,0 +1,159 @@
+"""Fetching the blobs that hold a component's entries and turning them into values.
+
+Only the blobs the requested entries reference are fetched; each is verified against its
+digest on the way in. Blobs are fetched on a thread pool and copied into their destinations as
+they arrive, so at most ``max_workers`` decoded blobs are held besides the results. A tensor that
+is exactly one raw blob becomes a view of the fetched buffer (no copy).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptstore.cas.blobs import get_blob
+from ckptstore.cas.header import Kind
+from ckptstore.errors import IntegrityError
+from ckptstore.objectstore.base import ObjectStore
+from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
+from ckptstore.serialize.index import ComponentIndex, Entry
+
+
+def max_blob_len(targets: Iterable[tuple[str, int, int]]) -> int:
+    """The most raw bytes a data blob can hold, given the (path, offset, length) of every
+    index entry that points into it: its items, plus a pack's table of contents (JSON of the
+    items' names and offsets) and trailer."""
+    end, toc = 0, 64 << 10
+    for path, offset, length in targets:
+        end = max(end, offset + length)
+        toc += 6 * len(path.encode()) + 96
+    return end + toc
+
+
+def with_context(context: str, detail: str) -> str:
+    """``detail`` after the caller's ``context`` (run, step, component), if there is one."""
+    return f"{context}, {detail}" if context else detail
+
+
+@dataclass(slots=True)
+class _Target:
+    """Where one segment's bytes go: ``buffer[dest:dest+length]`` from ``offset`` in the blob."""
+
+    entry: int
+    offset: int
+    length: int
+    dest: int
+
+
+class _Assembler:
+    """Collects entry buffers while blobs arrive."""
+
+    def __init__(self, entries: list[Entry]) -> None:
+        self.entries = entries
+        self.buffers: list[Any] = [None] * len(entries)
+        self._lock = threading.Lock()
+
+    def place(self, digest: str, raw: memoryview, targets: list[_Target], where: str) -> None:
+        """Copy (or hand over) one verified blob's bytes to every entry segment it holds.
+
+        Called from several threads at once; segments of one entry never overlap, so only
+        the allocation of an entry's buffer needs the lock.
+        """
+        for t in targets:
+            if t.offset + t.length > raw.nbytes:
+                path = self.entries[t.entry].path
+                raise IntegrityError(f"{where}: entry {path!r} points past the end of the blob")
+        handed_over = False
+        for t in targets:
+            entry = self.entries[t.entry]
+            whole = t.offset == 0 and t.length == raw.nbytes == entry.nbytes
+            if whole and not raw.readonly and not handed_over:
+                # The blob's buffer becomes the tensor's memory: no copy. Only once, so two
+                # equal tensors never share memory.
+                self.buffers[t.entry] = raw
+                handed_over = True
+                continue
+            with self._lock:
+                if self.buffers[t.entry] is None:
+                    self.buffers[t.entry] = _allocate(entry.nbytes, where)
+            self.buffers[t.entry][t.dest : t.dest + t.length] = raw[t.offset : t.offset + t.length]
+
+
+def _allocate(nbytes: int, where: str) -> memoryview:
+    """An uninitialized buffer (every byte is written before use; zero-filling would only
+    cost a second pass over the memory)."""
+    try:
+        return memoryview(np.empty(nbytes, dtype=np.uint8).data)
+    except (MemoryError, ValueError):
+        raise IntegrityError(
+            f"{where}: cannot allocate {nbytes} bytes for an entry (a corrupt index, or too "
+            "little memory)"
+        ) from None
+
+
+def _materialize(entry: Entry, buffer: memoryview | None, where: str) -> Any:
+    if not entry.is_array:
+        if entry.kind == "dtype":
+            return torch_dtype(entry.value, where)
+        if entry.kind == "float":
+            return struct.unpack("<d", bytes.fromhex(entry.value))[0]
+        return entry.value
+    data = buffer if buffer is not None else _allocate(entry.nbytes, where)
+    if entry.kind == "bytes":
+        return bytes(data)
+    if entry.kind == "bytearray":
+        return bytearray(data)
+    if entry.kind == "tensor":
+        dtype = torch_dtype(entry.dtype, where)
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+        return flat.view(dtype).reshape(entry.shape)
+    array = np.frombuffer(data, dtype=numpy_dtype(entry.dtype, where)).reshape(entry.shape)
+    return array[()] if entry.kind == "npscalar" else array
+
+
+def load_entries(
+    store: ObjectStore,
+    index: ComponentIndex,
+    entries: Iterable[int],
+    *,
+    context: str = "",
+    max_workers: int = 0,
+) -> dict[int, Any]:
+    """Load the given entries (by position in ``index.entries``); returns position -> value."""
+    wanted = sorted(set(entries))
+    chosen = [index.entries[i] for i in wanted]
+    assembler = _Assembler(chosen)
+    by_blob: dict[str, list[_Target]] = {}
+    for n, entry in enumerate(chosen):
+        dest = 0
+        for seg in entry.segments:
+            by_blob.setdefault(seg.digest, []).append(_Target(n, seg.offset, seg.length, dest))
+            dest += seg.length
+
+    def fetch(digest: str) -> None:
+        paths = ", ".join(sorted({chosen[t.entry].path for t in by_blob[digest]})[:3])
+        blob_context = with_context(context, f"entry {paths}")
+        bound = max_blob_len((chosen[t.entry].path, t.offset, t.length) for t in by_blob[digest])
+        header, raw = get_blob(store, digest, context=blob_context, max_raw_len=bound)
+        if header.kind is Kind.INDEX:
+            raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
+        assembler.place(digest, raw, by_blob[digest], blob_context)
+
+    workers = max_workers or store.read_concurrency
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:
+        for future in [pool.submit(fetch, d) for d in by_blob]:
+            future.result()
+    where = f"component {context}" if context else "component"
+    return {
+        i: _materialize(entry, assembler.buffers[n], where)
+        for n, (i, entry) in enumerate(zip(wanted, chosen, strict=True))
+    }
