@@ -54,12 +54,33 @@ class SchemaError(DatabaseError):
     """The manifest database's schema is missing, out of date, or newer than this ckptstore."""
 
 
+class ForeignDatabaseError(SchemaError, ConfigError):
+    """The database has tables but is not a ckptstore manifest: the --db path is wrong."""
+
+
 class FencedError(CkptStoreError):
     """A newer writer opened the run; this (stale) writer may not commit."""
 
 
 class CheckpointNotFoundError(CkptStoreError, LookupError):
     """No committed checkpoint matches the request."""
+
+
+class RunStateError(CkptStoreError):
+    """The operation does not fit the run's or checkpoint's state (a closed or read-only run,
+    a checkpoint that is no longer pending); not a configuration error."""
+
+
+class ComponentNotFoundError(CkptStoreError, KeyError):
+    """A checkpoint has no component (or entry) of the requested name; the message lists the
+    names it has."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class GcBusyError(CkptStoreError):
+    """Another garbage collection holds the lease."""
 
 
 class SaveError(CkptStoreError):

@@ -9,7 +9,6 @@ serialization failures, deadlocks), so many processes can commit at once.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import random
 import sqlite3
@@ -29,26 +28,34 @@ from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ckptstore.errors import ConfigError, DatabaseError, SchemaError
+from ckptstore.errors import ConfigError, DatabaseError, ForeignDatabaseError, SchemaError
+from ckptstore.names import printable
+from ckptstore.settings import default_db
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore.manifest")
 
-DEFAULT_DB = ".ckptstore/manifest.db"
 _PG_MIGRATION_LOCK = 0x636B7074  # "ckpt": advisory lock held while creating a fresh schema
 _BUSY_TIMEOUT_MS = 30_000
 _RETRIES = 8
 
 
-def resolve_url(db: str | Path | None) -> str:
-    """A SQLAlchemy URL for ``db``: a URL, a SQLite file path, or None for the default."""
-    if db is None or str(db).strip() == "":
-        db = DEFAULT_DB
+def resolve_url(db: str | Path | None, *, create: bool = True) -> str:
+    """A SQLAlchemy URL for ``db``: a URL, a SQLite file path, or None for the default.
+
+    With ``create`` a SQLite file's directory is made if missing; without it nothing is
+    touched and a missing file is a :class:`ConfigError` naming the path.
+    """
+    if db is None:
+        db = default_db()
     text_url = str(db).strip()
+    if not text_url:
+        raise ConfigError(
+            "the database is an empty string: give a SQLite path or postgresql://user@host/db "
+            "(--db / $CKPTSTORE_DB), or leave it unset for ./.ckptstore/manifest.db"
+        )
     if "://" not in text_url:
-        path = Path(text_url).expanduser().resolve()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{path}"
+        return f"sqlite:///{_sqlite_path(text_url, create)}"
     if text_url.startswith(("postgres://", "postgresql://")):
         text_url = "postgresql+psycopg://" + text_url.split("://", 1)[1]
     try:
@@ -61,8 +68,76 @@ def resolve_url(db: str | Path | None) -> str:
             "sqlite:///path, or postgresql://user@host/db"
         )
     if url.get_backend_name() == "sqlite" and url.database and url.database != ":memory:":
-        Path(url.database).expanduser().resolve().parent.mkdir(parents=True, exist_ok=True)
+        url = url.set(database=str(_sqlite_path(url.database, create)))
     return url.render_as_string(hide_password=False)
+
+
+def _sqlite_path(text_path: str, create: bool) -> Path:
+    try:
+        path = Path(text_path).expanduser().resolve()
+        path.exists()  # a name too long for the file system raises here
+    except (RuntimeError, OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or exc
+        raise ConfigError(f"invalid database path {printable(text_path)!r}: {why}") from None
+    if create:
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ConfigError(
+                f"cannot create the database {path}: {path.parent} is not a directory"
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+    elif not path.exists():
+        raise ConfigError(
+            f"no manifest database at {path} (--db / $CKPTSTORE_DB); nothing was created. "
+            "Check the path; a database is created by the first save or `ckptstore db upgrade`"
+        )
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"the database path {path} is not a file")
+    return path
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _probe_sqlite(path: Path, create: bool) -> None:
+    """Refuse a file that is not a ckptstore database before anything writes to it (the WAL
+    switch on connect would otherwise rewrite a foreign file's header)."""
+    try:
+        with path.open("rb") as f:
+            header = f.read(100)
+    except FileNotFoundError:
+        return  # created on connect (create=True: resolve_url made the directory)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the database {path}: {exc.strerror}") from None
+    if not header:
+        if create:
+            return
+        raise ConfigError(
+            f"the database {path} is an empty file, not a ckptstore database; check --db"
+        )
+    if not header.startswith(_SQLITE_MAGIC):
+        raise ConfigError(f"{path} is not a SQLite database; check --db / $CKPTSTORE_DB")
+    wal = len(header) >= 20 and header[18] == 2
+    # A rollback-journal file is read without any chance of change; a WAL file is not
+    # switched by opening it, so an ordinary connection is as safe there.
+    uri = f"{path.as_uri()}?mode=ro" if not wal else path.as_uri()
+    try:
+        conn = sqlite3.connect(uri, uri=True, timeout=_BUSY_TIMEOUT_MS / 1000)
+        try:
+            tables = {
+                name
+                for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            }
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise ConfigError(
+            f"{path} is not a readable SQLite database ({_one_line(exc)}); check --db"
+        ) from None
+    if tables and "alembic_version" not in tables:
+        raise ForeignDatabaseError(
+            f"the database {path} has tables but no ckptstore schema version; point --db at "
+            "an empty or ckptstore database"
+        )
 
 
 def redact(url: str) -> str:
@@ -79,6 +154,7 @@ def _alembic_config(connection: Connection | None = None) -> Config:
 
 
 def head_revision() -> str:
+    """The newest schema revision this ckptstore's migrations define."""
     head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
     assert head is not None, "the packaged migrations have no head"
     return head
@@ -125,9 +201,21 @@ def _is_contention(exc: BaseException) -> bool:
 class Database:
     """One manifest database. Thread-safe; share one per process."""
 
-    def __init__(self, url: str | Path | None = None, *, check_schema: bool = True) -> None:
-        self.url = resolve_url(url)
+    def __init__(
+        self, url: str | Path | None = None, *, check_schema: bool = True, create: bool = True
+    ) -> None:
+        """Open the manifest database at ``url`` (default ``$CKPTSTORE_DB`` or
+        ``./.ckptstore/manifest.db``).
+
+        ``create=False`` is for readers: a missing or empty database is a :class:`ConfigError`
+        and nothing is created or switched (no file, directory, journal mode or schema).
+        """
+        self.url = resolve_url(url, create=create)
+        self.create = create
         self.dialect = make_url(self.url).get_backend_name()
+        path = make_url(self.url).database
+        if self.dialect == "sqlite" and path and path != ":memory:":
+            _probe_sqlite(Path(path), create)
         self.engine = self._make_engine()
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._writes = sessionmaker(
@@ -142,12 +230,14 @@ class Database:
 
     @property
     def is_sqlite(self) -> bool:
+        """True for SQLite."""
         return self.dialect == "sqlite"
 
     def __repr__(self) -> str:
         return f"Database({redact(self.url)!r})"
 
     def _make_engine(self) -> Engine:
+        create = self.create
         if self.dialect != "sqlite":
             return create_engine(self.url, pool_pre_ping=True, future=True)
         engine = create_engine(self.url, connect_args={"timeout": _BUSY_TIMEOUT_MS / 1000})
@@ -159,7 +249,8 @@ class Database:
             cursor = dbapi_conn.cursor()
             cursor.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
             cursor.execute("PRAGMA foreign_keys=ON")
-            _enable_wal(cursor)
+            if create:  # readers never change a file's journal mode
+                _enable_wal(cursor)
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.close()
 
@@ -173,6 +264,7 @@ class Database:
     # -- schema -----------------------------------------------------------------------------
 
     def current_revision(self) -> str | None:
+        """The database's schema revision, or None if it has none."""
         try:
             with self.engine.connect() as conn:
                 return MigrationContext.configure(conn).get_current_revision()
@@ -183,20 +275,23 @@ class Database:
             ) from exc
 
     def ensure_schema(self) -> None:
-        """Create a fresh database at head; refuse an out-of-date or unknown one."""
+        """Create a fresh database at head (unless opened with ``create=False``); refuse an
+        out-of-date or unknown one."""
         head = head_revision()
         current = self.current_revision()
         if current == head:
             return
         if current is None:
-            with self._migration_lock():
-                if self.current_revision() is None:
-                    if self._has_tables():
-                        raise SchemaError(
-                            f"the database {redact(self.url)} has tables but no ckptstore schema "
-                            "version; point --db at an empty or ckptstore database"
-                        )
-                    self._upgrade()
+            if not self.create:
+                raise ConfigError(
+                    f"the database {redact(self.url)} has no ckptstore schema (empty or not "
+                    "created yet); check --db / $CKPTSTORE_DB, or run `ckptstore db upgrade`"
+                )
+            with self._migration() as conn:
+                # Re-checked under the lock: another process may have created it meanwhile.
+                if MigrationContext.configure(conn).get_current_revision() is None:
+                    self._refuse_foreign(conn)
+                    command.upgrade(_alembic_config(conn), "head")
             return
         if current not in known_revisions():
             raise SchemaError(
@@ -211,54 +306,53 @@ class Database:
 
     def upgrade(self, revision: str = "head") -> tuple[str | None, str | None]:
         """Migrate to ``revision``; returns (before, after)."""
-        before = self.current_revision()
         known = known_revisions()
-        if before is None and self._has_tables():
-            raise SchemaError(
-                f"the database {redact(self.url)} has tables but no ckptstore schema version; "
-                "point --db at an empty or ckptstore database"
-            )
-        if before is not None and before not in known:
-            raise SchemaError(
-                f"the database {redact(self.url)} is at schema revision {before}, newer than "
-                f"this ckptstore knows ({head_revision()}); upgrade ckptstore instead"
+        if revision != "head" and revision not in known:
+            raise ConfigError(
+                f"unknown schema revision {printable(revision)!r}: use head or one of "
+                f"{', '.join(sorted(known))}"
             )
         try:
-            with self._migration_lock():
-                self._upgrade(revision)
+            with self._migration() as conn:
+                before = MigrationContext.configure(conn).get_current_revision()
+                if before is None:
+                    self._refuse_foreign(conn)
+                elif before not in known_revisions():
+                    raise SchemaError(
+                        f"the database {redact(self.url)} is at schema revision {before}, newer "
+                        f"than this ckptstore knows ({head_revision()}); upgrade ckptstore "
+                        "instead"
+                    )
+                command.upgrade(_alembic_config(conn), revision)
         except CommandError as exc:
             raise SchemaError(f"cannot upgrade {redact(self.url)} to {revision!r}: {exc}") from exc
         return before, self.current_revision()
 
-    def _upgrade(self, revision: str = "head") -> None:
-        with self.engine.begin() as conn:
-            command.upgrade(_alembic_config(conn), revision)
-
-    def _has_tables(self) -> bool:
-        with self.engine.connect() as conn:
-            return bool(inspect(conn).get_table_names())
+    def _refuse_foreign(self, conn: Connection) -> None:
+        if inspect(conn).get_table_names():
+            raise ForeignDatabaseError(
+                f"the database {redact(self.url)} has tables but no ckptstore schema version; "
+                "point --db at an empty or ckptstore database"
+            )
 
     @contextlib.contextmanager
-    def _migration_lock(self) -> Iterator[None]:
-        if self.dialect == "postgresql":
-            with self.engine.connect() as conn:
-                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
-                try:
-                    yield
-                finally:
-                    conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
-                    conn.commit()
+    def _migration(self) -> Iterator[Connection]:
+        """A transaction that no other migration runs beside: PostgreSQL's advisory lock, or
+        SQLite's write lock (``BEGIN IMMEDIATE``; SQLite's DDL is transactional) — no lock
+        file is left next to the database."""
+        if self.dialect != "postgresql":
+            with self.engine.execution_options(sqlite_begin="IMMEDIATE").begin() as conn:
+                yield conn
             return
-        database = make_url(self.url).database
-        if not database or database == ":memory:":
-            yield
-            return
-        with open(f"{database}.migrate-lock", "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with self.engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+            conn.commit()
             try:
-                yield
+                with conn.begin():
+                    yield conn
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                conn.commit()
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -301,4 +395,5 @@ class Database:
                 attempt += 1
 
     def close(self) -> None:
+        """Release the engine's connections."""
         self.engine.dispose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from sqlalchemy import (
@@ -27,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo
+
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -37,6 +40,8 @@ NAMING = {
 
 
 class Status(enum.StrEnum):
+    """The life of a checkpoint row."""
+
     PENDING = "pending"
     COMMITTED = "committed"
     FAILED = "failed"
@@ -45,6 +50,8 @@ class Status(enum.StrEnum):
 
 
 class Trigger(enum.StrEnum):
+    """Why a checkpoint was saved."""
+
     PERIOD = "period"
     LAST = "last"
     TIMEOUT = "timeout"
@@ -52,6 +59,8 @@ class Trigger(enum.StrEnum):
 
 
 class BlobState(enum.StrEnum):
+    """A blob row: live, or condemned by GC (or as damaged)."""
+
     LIVE = "live"
     CONDEMNED = "condemned"
 
@@ -62,10 +71,13 @@ def _in(column: str, values: type[enum.StrEnum]) -> str:
 
 
 def utcnow() -> dt.datetime:
+    """Now, timezone-aware UTC."""
     return dt.datetime.now(dt.UTC)
 
 
 class Base(DeclarativeBase):
+    """The declarative base: naming convention and type map."""
+
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map: ClassVar[dict[Any, Any]] = {
         dict[str, Any]: JSON,
@@ -73,7 +85,9 @@ class Base(DeclarativeBase):
     }
 
 
-class Run(Base):
+class RunRow(Base):
+    """A row of ``runs``."""
+
     __tablename__ = "runs"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -91,8 +105,24 @@ class Run(Base):
     metric_name: Mapped[str | None] = mapped_column(String(255))
     higher_is_better: Mapped[bool] = mapped_column(default=True, server_default=true())
 
+    def to_record(self) -> RunInfo:
+        """The public record of this row."""
+        return RunInfo(
+            id=self.id,
+            name=self.name,
+            created_at=self.created_at,
+            config=self.config,
+            config_fingerprint=self.config_fingerprint,
+            parent_checkpoint_id=self.parent_checkpoint_id,
+            writer_epoch=self.writer_epoch,
+            metric_name=self.metric_name,
+            higher_is_better=self.higher_is_better,
+        )
 
-class Checkpoint(Base):
+
+class CheckpointRow(Base):
+    """A row of ``checkpoints``."""
+
     __tablename__ = "checkpoints"
     __table_args__ = (
         CheckConstraint(_in("status", Status), name="status"),
@@ -118,8 +148,32 @@ class Checkpoint(Base):
     #: Why the save failed or the checkpoint was marked corrupt.
     error: Mapped[str | None] = mapped_column(Text)
 
+    def to_record(self, run: str, components: Iterable[ComponentRow] = ()) -> CheckpointInfo:
+        """The public record of this row, with its run's name and its components."""
+        return CheckpointInfo(
+            id=self.id,
+            run=run,
+            step=self.step,
+            status=self.status,
+            trigger=self.trigger,
+            writer_epoch=self.writer_epoch,
+            created_at=self.created_at,
+            committed_at=self.committed_at,
+            training_info=self.training_info,
+            metrics=self.metrics,
+            logical_bytes=self.logical_bytes,
+            stored_bytes=self.stored_bytes,
+            uploaded_bytes=self.uploaded_bytes,
+            save_seconds=self.save_seconds,
+            blocked_seconds=self.blocked_seconds,
+            error=self.error,
+            components=tuple(c.to_record() for c in components),
+        )
 
-class Component(Base):
+
+class ComponentRow(Base):
+    """A row of ``components``."""
+
     __tablename__ = "components"
 
     checkpoint_id: Mapped[int] = mapped_column(
@@ -132,8 +186,21 @@ class Component(Base):
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     entries: Mapped[int] = mapped_column(Integer, default=0)
 
+    def to_record(self) -> ComponentInfo:
+        """The public record of this row."""
+        return ComponentInfo(
+            name=self.name,
+            kind=self.kind,
+            index_digest=self.index_digest,
+            logical_bytes=self.logical_bytes,
+            stored_bytes=self.stored_bytes,
+            entries=self.entries,
+        )
 
-class Blob(Base):
+
+class BlobRow(Base):
+    """A row of ``blobs``."""
+
     __tablename__ = "blobs"
     __table_args__ = (
         CheckConstraint(_in("state", BlobState), name="state"),
@@ -152,7 +219,9 @@ class Blob(Base):
     condemned_at: Mapped[dt.datetime | None]
 
 
-class CheckpointBlob(Base):
+class CheckpointBlobRow(Base):
+    """A row of ``checkpoint_blobs``: a checkpoint references a blob."""
+
     __tablename__ = "checkpoint_blobs"
     __table_args__ = (Index("ix_checkpoint_blobs_digest", "digest"),)
 
@@ -162,7 +231,7 @@ class CheckpointBlob(Base):
     digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True)
 
 
-class GcLease(Base):
+class GcLeaseRow(Base):
     """One row while a garbage collection runs: only one GC at a time."""
 
     __tablename__ = "gc_lease"

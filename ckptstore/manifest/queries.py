@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import insert, select, text, update
@@ -13,17 +12,18 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, FencedError, IntegrityError
+from ckptstore.errors import CheckpointNotFoundError, FencedError, IntegrityError, RunStateError
 from ckptstore.manifest.models import (
-    Blob,
+    BlobRow,
     BlobState,
-    Checkpoint,
-    CheckpointBlob,
-    Component,
-    Run,
+    CheckpointBlobRow,
+    CheckpointRow,
+    ComponentRow,
+    RunRow,
     Status,
     utcnow,
 )
+from ckptstore.manifest.records import BlobClaim, ComponentInfo
 
 #: PostgreSQL advisory lock: commits hold it shared, a GC sweep exclusively, so a sweep never
 #: deletes a blob that a commit is claiming. (SQLite writers are serialized anyway.)
@@ -31,42 +31,9 @@ GC_LOCK_KEY = 0x636B7067  # "ckpg"
 _BATCH = 500
 
 
-@dataclass(frozen=True, slots=True)
-class BlobClaim:
-    """One blob a checkpoint references, as reported by the writer that stored it."""
-
-    digest: str
-    kind: str
-    logical_bytes: int
-    stored_bytes: int
-    codec: str | None
-    #: The writer stored the object itself during this save.
-    uploaded: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ComponentRow:
-    """One component of a checkpoint, as the ``components`` table holds it."""
-
-    name: str
-    kind: str
-    index_digest: str
-    logical_bytes: int
-    stored_bytes: int
-    entries: int
-
-    @classmethod
-    def of(cls, row: Component) -> ComponentRow:
-        return cls(
-            row.name, row.kind, row.index_digest, row.logical_bytes, row.stored_bytes, row.entries
-        )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in self.__slots__}
-
-
-def find_run(session: Session, name: str) -> Run | None:
-    return session.scalars(select(Run).where(Run.name == name)).one_or_none()
+def find_run(session: Session, name: str) -> RunRow | None:
+    """The run row named ``name``, or None."""
+    return session.scalars(select(RunRow).where(RunRow.name == name)).one_or_none()
 
 
 def create_run(
@@ -78,8 +45,9 @@ def create_run(
     parent_checkpoint_id: int | None,
     metric_name: str | None,
     higher_is_better: bool,
-) -> Run:
-    run = Run(
+) -> RunRow:
+    """Insert a new run row (writer epoch 0)."""
+    run = RunRow(
         name=name,
         config=config,
         config_fingerprint=fingerprint,
@@ -95,19 +63,21 @@ def create_run(
 
 def bump_epoch(session: Session, run_id: int) -> int:
     """Make the caller the run's only writer; returns the new epoch."""
-    session.execute(update(Run).where(Run.id == run_id).values(writer_epoch=Run.writer_epoch + 1))
-    return int(session.scalar(select(Run.writer_epoch).where(Run.id == run_id)) or 0)
+    session.execute(
+        update(RunRow).where(RunRow.id == run_id).values(writer_epoch=RunRow.writer_epoch + 1)
+    )
+    return int(session.scalar(select(RunRow.writer_epoch).where(RunRow.id == run_id)) or 0)
 
 
 def abandon_pending(session: Session, run_id: int, epoch: int) -> int:
     """Mark ``failed`` the run's pending checkpoints of writers older than ``epoch``: they can
     never commit (fencing), and history should not show them as in progress for ever."""
     result = session.execute(
-        update(Checkpoint)
+        update(CheckpointRow)
         .where(
-            Checkpoint.run_id == run_id,
-            Checkpoint.status == Status.PENDING,
-            Checkpoint.writer_epoch < epoch,
+            CheckpointRow.run_id == run_id,
+            CheckpointRow.status == Status.PENDING,
+            CheckpointRow.writer_epoch < epoch,
         )
         .values(
             status=Status.FAILED,
@@ -118,9 +88,9 @@ def abandon_pending(session: Session, run_id: int, epoch: int) -> int:
     return int(getattr(result, "rowcount", 0) or 0)
 
 
-def lock_run(session: Session, run_id: int, epoch: int) -> Run:
+def lock_run(session: Session, run_id: int, epoch: int) -> RunRow:
     """Lock the run row and check that ``epoch`` is still its writer's."""
-    run = session.scalars(select(Run).where(Run.id == run_id).with_for_update()).one()
+    run = session.scalars(select(RunRow).where(RunRow.id == run_id).with_for_update()).one()
     if run.writer_epoch != epoch:
         raise FencedError(
             f"run {run.name!r} was opened for writing by a newer writer (epoch "
@@ -131,6 +101,7 @@ def lock_run(session: Session, run_id: int, epoch: int) -> Run:
 
 
 def hold_gc_lock_shared(session: Session) -> None:
+    """Hold off GC sweeps while this (commit) transaction lasts (PostgreSQL)."""
     if session.get_bind().dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": GC_LOCK_KEY})
 
@@ -142,7 +113,8 @@ def hold_gc_lock_exclusive(session: Session) -> None:
 
 
 def begin_checkpoint(session: Session, run_id: int, step: int, epoch: int, trigger: str) -> int:
-    row = Checkpoint(
+    """Insert a pending checkpoint row; returns its id."""
+    row = CheckpointRow(
         run_id=run_id, step=step, writer_epoch=epoch, trigger=trigger, status=Status.PENDING
     )
     session.add(row)
@@ -159,11 +131,11 @@ def mark(
     only_if: Status | None = None,
 ) -> bool:
     """Set a checkpoint's status (if it is ``only_if``, when given); True if it changed."""
-    condition = [Checkpoint.id == checkpoint_id]
+    condition = [CheckpointRow.id == checkpoint_id]
     if only_if is not None:
-        condition.append(Checkpoint.status == only_if)
+        condition.append(CheckpointRow.status == only_if)
     result = session.execute(
-        update(Checkpoint)
+        update(CheckpointRow)
         .where(*condition)
         .values(status=status, error=(error or "")[:4000] or None)
         .execution_options(synchronize_session=False)
@@ -172,25 +144,129 @@ def mark(
 
 
 def blob_state(session: Session, digest: str) -> str | None:
-    return session.scalar(select(Blob.state).where(Blob.digest == digest))
+    """The blob's state (live/condemned), or None if it has no row."""
+    return session.scalar(select(BlobRow.state).where(BlobRow.digest == digest))
 
 
 def condemn_blob(session: Session, digest: str) -> None:
     """Take a damaged blob out of service: the next save that needs it uploads it again."""
     session.execute(
-        update(Blob)
-        .where(Blob.digest == digest)
+        update(BlobRow)
+        .where(BlobRow.digest == digest)
         .values(state=BlobState.CONDEMNED, condemned_at=utcnow())
     )
 
 
-def blob_rows(session: Session, digests: Sequence[str], *, lock: bool = True) -> dict[str, Blob]:
+def mark_corrupt(session: Session, checkpoint_id: int, reason: str, digests: Iterable[str]) -> None:
+    """The one mark-corrupt transaction body (load fallback and verify): the checkpoint becomes
+    corrupt and its damaged blobs are condemned, with commits held off (GC lock exclusive) so
+    no commit trusts a damaged object between this and the caller's quarantine of it.
+
+    Corrupt is recoverable: the checkpoint's rows stay, GC keeps its blobs, and
+    :func:`restore_committed` brings it back once every blob verifies again."""
+    hold_gc_lock_exclusive(session)
+    mark(session, checkpoint_id, Status.CORRUPT, reason)
+    for digest in digests:
+        condemn_blob(session, digest)
+
+
+def corrupt_referencing(session: Session, digests: Sequence[str]) -> list[int]:
+    """Ids of corrupt checkpoints that reference any of ``digests``."""
+    found: set[int] = set()
+    for i in range(0, len(digests), _BATCH):
+        found.update(
+            session.scalars(
+                select(CheckpointBlobRow.checkpoint_id)
+                .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+                .where(
+                    CheckpointBlobRow.digest.in_(digests[i : i + _BATCH]),
+                    CheckpointRow.status == Status.CORRUPT,
+                )
+            )
+        )
+    return sorted(found)
+
+
+def checkpoint_blob_sizes(session: Session, checkpoint_id: int) -> dict[str, int | None]:
+    """Every blob a checkpoint references and the raw length its row records (None: no row)."""
+    rows = session.execute(
+        select(CheckpointBlobRow.digest, BlobRow.logical_bytes)
+        .outerjoin(BlobRow, BlobRow.digest == CheckpointBlobRow.digest)
+        .where(CheckpointBlobRow.checkpoint_id == checkpoint_id)
+    )
+    return {row[0]: row[1] for row in rows}
+
+
+def restore_committed(session: Session, checkpoint_id: int, digests: Sequence[str]) -> str | None:
+    """A corrupt checkpoint whose blobs all verified again becomes committed (or deleted, if a
+    newer save of the same step was committed meanwhile); its condemned blob rows are live
+    again. Returns the new status, or None if it is no longer corrupt or a row is missing."""
+    hold_gc_lock_exclusive(session)
+    row = session.get(CheckpointRow, checkpoint_id, with_for_update=True)
+    if row is None or row.status != Status.CORRUPT:
+        return None
+    rows = blob_rows(session, list(digests))
+    if len(rows) != len(set(digests)):
+        return None
+    now = utcnow()
+    for i in range(0, len(digests), _BATCH):
+        session.execute(
+            update(BlobRow)
+            .where(BlobRow.digest.in_(digests[i : i + _BATCH]))
+            .values(state=BlobState.LIVE, condemned_at=None, last_claimed_at=now)
+        )
+    newer = session.scalar(
+        select(CheckpointRow.id).where(
+            CheckpointRow.run_id == row.run_id,
+            CheckpointRow.step == row.step,
+            CheckpointRow.status == Status.COMMITTED,
+            CheckpointRow.id != row.id,
+        )
+    )
+    status = Status.DELETED if newer is not None else Status.COMMITTED
+    note = f"repaired: every blob verified again at {now:%Y-%m-%d %H:%M:%S} UTC"
+    if newer is not None:
+        note += f"; superseded by checkpoint {newer} of the same step"
+    row.status = status
+    row.error = f"{note} (was: {row.error})"[:4000] if row.error else note
+    return status
+
+
+def supersede_step(session: Session, checkpoint_id: int) -> list[int]:
+    """Saving a step again replaces it: older committed checkpoints of the same run and step
+    become deleted (their blobs go to GC unless shared), in the commit's transaction."""
+    row = session.get(CheckpointRow, checkpoint_id)
+    assert row is not None
+    older = list(
+        session.scalars(
+            select(CheckpointRow.id).where(
+                CheckpointRow.run_id == row.run_id,
+                CheckpointRow.step == row.step,
+                CheckpointRow.status == Status.COMMITTED,
+                CheckpointRow.id != checkpoint_id,
+            )
+        )
+    )
+    if older:
+        session.execute(
+            update(CheckpointRow)
+            .where(CheckpointRow.id.in_(older))
+            .values(
+                status=Status.DELETED,
+                error=f"superseded by checkpoint {checkpoint_id}, a newer save of step {row.step}",
+            )
+            .execution_options(synchronize_session=False)
+        )
+    return older
+
+
+def blob_rows(session: Session, digests: Sequence[str], *, lock: bool = True) -> dict[str, BlobRow]:
     """Rows of ``digests``, whatever their state (locked for update on PostgreSQL unless ``lock``
     is False)."""
-    found: dict[str, Blob] = {}
+    found: dict[str, BlobRow] = {}
     for i in range(0, len(digests), _BATCH):
         chunk = digests[i : i + _BATCH]
-        query = select(Blob).where(Blob.digest.in_(chunk))
+        query = select(BlobRow).where(BlobRow.digest.in_(chunk))
         rows = session.scalars(query.with_for_update() if lock else query)
         found.update((row.digest, row) for row in rows)
     return found
@@ -218,22 +294,23 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
     if new_rows:
         # Another transaction may insert the same new blob concurrently (two runs saving
         # the same weights): its row wins, and is claimed below like any existing one.
-        session.execute(insert_ignoring_duplicates(session, Blob), new_rows)
+        session.execute(insert_ignoring_duplicates(session, BlobRow), new_rows)
     digests = list(unique)
     for i in range(0, len(digests), _BATCH):
         session.execute(
-            update(Blob)
-            .where(Blob.digest.in_(digests[i : i + _BATCH]))
+            update(BlobRow)
+            .where(BlobRow.digest.in_(digests[i : i + _BATCH]))
             .values(last_claimed_at=now, state=BlobState.LIVE)
         )
     if unique:
         session.execute(
-            insert(CheckpointBlob),
+            insert(CheckpointBlobRow),
             [{"checkpoint_id": checkpoint_id, "digest": d} for d in unique],
         )
 
 
 def insert_ignoring_duplicates(session: Session, table: type[Any]) -> Any:
+    """An INSERT that skips rows whose primary key exists (per dialect)."""
     dialect = session.get_bind().dialect.name
     if dialect == "postgresql":
         return pg_insert(table).on_conflict_do_nothing()
@@ -243,80 +320,83 @@ def insert_ignoring_duplicates(session: Session, table: type[Any]) -> Any:
 
 
 def record_components(
-    session: Session, checkpoint_id: int, components: Iterable[ComponentRow]
+    session: Session, checkpoint_id: int, components: Iterable[ComponentInfo]
 ) -> None:
+    """Insert a checkpoint's component rows."""
     rows = [{"checkpoint_id": checkpoint_id, **c.as_dict()} for c in components]
     if rows:
-        session.execute(insert(Component), rows)
+        session.execute(insert(ComponentRow), rows)
 
 
 def finish_commit(session: Session, checkpoint_id: int, values: dict[str, Any]) -> None:
-    current = session.scalar(select(Checkpoint.status).where(Checkpoint.id == checkpoint_id))
+    """Flip a pending checkpoint to committed with its final values."""
+    current = session.scalar(select(CheckpointRow.status).where(CheckpointRow.id == checkpoint_id))
     if current != Status.PENDING:
-        raise ConfigError(
+        raise RunStateError(
             f"checkpoint {checkpoint_id} is {current}, not pending; it cannot be committed"
         )
     session.execute(
-        update(Checkpoint)
-        .where(Checkpoint.id == checkpoint_id)
+        update(CheckpointRow)
+        .where(CheckpointRow.id == checkpoint_id)
         .values(status=Status.COMMITTED, committed_at=utcnow(), **values)
     )
 
 
 def latest_committed(
     session: Session, run_id: int, *, before_step: int | None = None
-) -> Checkpoint | None:
+) -> CheckpointRow | None:
     """The newest committed checkpoint: one indexed query, whatever the history's length."""
-    query = select(Checkpoint).where(
-        Checkpoint.run_id == run_id, Checkpoint.status == Status.COMMITTED
+    query = select(CheckpointRow).where(
+        CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED
     )
     if before_step is not None:
-        query = query.where(Checkpoint.step < before_step)
+        query = query.where(CheckpointRow.step < before_step)
     return session.scalars(
-        query.order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(1)
+        query.order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc()).limit(1)
     ).one_or_none()
 
 
 def latest_with_components(
     session: Session, run_id: int
-) -> tuple[Checkpoint, list[Component]] | None:
+) -> tuple[CheckpointRow, list[ComponentRow]] | None:
     """The newest committed checkpoint and its components in one statement: the indexed
     lookup of the newest row, joined with its components by primary key."""
     newest = (
-        select(Checkpoint.id)
-        .where(Checkpoint.run_id == run_id, Checkpoint.status == Status.COMMITTED)
-        .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        select(CheckpointRow.id)
+        .where(CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED)
+        .order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc())
         .limit(1)
         .scalar_subquery()
     )
     rows = session.execute(
-        select(Checkpoint, Component)
-        .outerjoin(Component, Component.checkpoint_id == Checkpoint.id)
-        .where(Checkpoint.id == newest)
-        .order_by(Component.name)
+        select(CheckpointRow, ComponentRow)
+        .outerjoin(ComponentRow, ComponentRow.checkpoint_id == CheckpointRow.id)
+        .where(CheckpointRow.id == newest)
+        .order_by(ComponentRow.name)
     ).all()
     if not rows:
         return None
     return rows[0][0], [component for _, component in rows if component is not None]
 
 
-def committed_at_step(session: Session, run_id: int, step: int) -> Checkpoint:
+def committed_at_step(session: Session, run_id: int, step: int) -> CheckpointRow:
+    """The committed checkpoint at ``step``; an error saying why if there is none."""
     row = session.scalars(
-        select(Checkpoint)
+        select(CheckpointRow)
         .where(
-            Checkpoint.run_id == run_id,
-            Checkpoint.status == Status.COMMITTED,
-            Checkpoint.step == step,
+            CheckpointRow.run_id == run_id,
+            CheckpointRow.status == Status.COMMITTED,
+            CheckpointRow.step == step,
         )
-        .order_by(Checkpoint.id.desc())
+        .order_by(CheckpointRow.id.desc())
         .limit(1)
     ).one_or_none()
     if row is not None:
         return row
     other = session.scalars(
-        select(Checkpoint)
-        .where(Checkpoint.run_id == run_id, Checkpoint.step == step)
-        .order_by(Checkpoint.id.desc())
+        select(CheckpointRow)
+        .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
+        .order_by(CheckpointRow.id.desc())
         .limit(1)
     ).one_or_none()
     if other is not None and other.status == Status.CORRUPT:
@@ -331,43 +411,48 @@ def committed_at_step(session: Session, run_id: int, step: int) -> Checkpoint:
     raise CheckpointNotFoundError(f"no checkpoint at step {step}")
 
 
-def components_of(session: Session, checkpoint_id: int) -> list[Component]:
+def components_of(session: Session, checkpoint_id: int) -> list[ComponentRow]:
+    """A checkpoint's component rows, by name."""
     return list(
         session.scalars(
-            select(Component)
-            .where(Component.checkpoint_id == checkpoint_id)
-            .order_by(Component.name)
+            select(ComponentRow)
+            .where(ComponentRow.checkpoint_id == checkpoint_id)
+            .order_by(ComponentRow.name)
         )
     )
 
 
 def checkpoints_of(
     session: Session, run_id: int, statuses: Sequence[str] | None = None
-) -> list[Checkpoint]:
-    query = select(Checkpoint).where(Checkpoint.run_id == run_id)
+) -> list[CheckpointRow]:
+    """A run's checkpoint rows (optionally only some statuses), oldest first."""
+    query = select(CheckpointRow).where(CheckpointRow.run_id == run_id)
     if statuses:
-        query = query.where(Checkpoint.status.in_(statuses))
-    return list(session.scalars(query.order_by(Checkpoint.step, Checkpoint.id)))
+        query = query.where(CheckpointRow.status.in_(statuses))
+    return list(session.scalars(query.order_by(CheckpointRow.step, CheckpointRow.id)))
 
 
 def checkpoint_digests(session: Session, checkpoint_id: int, *, limit: int) -> list[str]:
     """Up to ``limit`` digests the checkpoint references."""
     return list(
         session.scalars(
-            select(CheckpointBlob.digest)
-            .where(CheckpointBlob.checkpoint_id == checkpoint_id)
-            .order_by(CheckpointBlob.digest)
+            select(CheckpointBlobRow.digest)
+            .where(CheckpointBlobRow.checkpoint_id == checkpoint_id)
+            .order_by(CheckpointBlobRow.digest)
             .limit(limit)
         )
     )
 
 
 def mark_deleted(session: Session, ids: Iterable[int]) -> None:
+    """Mark committed checkpoints deleted (retention)."""
     ids = list(ids)
     for i in range(0, len(ids), _BATCH):
         session.execute(
-            update(Checkpoint)
-            .where(Checkpoint.id.in_(ids[i : i + _BATCH]), Checkpoint.status == Status.COMMITTED)
+            update(CheckpointRow)
+            .where(
+                CheckpointRow.id.in_(ids[i : i + _BATCH]), CheckpointRow.status == Status.COMMITTED
+            )
             .values(status=Status.DELETED)
         )
 

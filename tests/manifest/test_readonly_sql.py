@@ -8,7 +8,7 @@ TO a file, VACUUM INTO, ATTACH) name a fresh path, which must not exist afterwar
 PostgreSQL: one migrated schema per module, owned by the server's superuser (whose migration
 creates ``ckptstore_reader`` and its grants). Queries run as a non-superuser login made for this
 module, a member of ``ckptstore_reader``; the superuser and a login outside the role are tried
-separately. The layers of ``ckptstore/cli/readonly_sql.py`` are also checked one at a time: the
+separately. The layers of ``ckptstore/manifest/readonly.py`` are also checked one at a time: the
 statement-kind check, the grammar (the wrapped text run as superuser in a writable transaction),
 and the role (superuser with ``--allow-superuser``).
 """

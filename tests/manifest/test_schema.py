@@ -42,10 +42,11 @@ from ckptstore.errors import ConfigError, SchemaError
 from ckptstore.manifest.db import Database, _alembic_config, head_revision, redact, resolve_url
 from ckptstore.manifest.models import Base
 
-#: The newest migration and the one before it. A new migration moves both (and the snapshots).
-HEAD = "0003"
-PREVIOUS_HEAD = "0002"
-FIRST = "0001"
+#: Every migration, oldest first. A new migration is appended here (and the snapshots rewritten).
+REVISIONS = ("0001", "0002", "0003", "0004")
+HEAD = REVISIONS[-1]
+PREVIOUS_HEAD = REVISIONS[-2]
+FIRST = REVISIONS[0]
 
 TABLES = {"runs", "checkpoints", "components", "blobs", "checkpoint_blobs", "gc_lease"}
 VIEWS = {"checkpoint_summary", "run_summary"}
@@ -292,11 +293,11 @@ def run_cli(*invocations: list[str], cwd: Path) -> list[subprocess.CompletedProc
 def test_migrations_form_one_linear_history_ending_at_head() -> None:
     scripts = ScriptDirectory.from_config(_alembic_config())
     assert scripts.get_heads() == [HEAD], (
-        "a new migration: move HEAD/PREVIOUS_HEAD here and rewrite the schema snapshots"
+        "a new migration: append it to REVISIONS here and rewrite the schema snapshots"
     )
     assert head_revision() == HEAD
     chain = [rev.revision for rev in scripts.walk_revisions("base", "heads")]
-    assert chain == [HEAD, PREVIOUS_HEAD, FIRST]
+    assert chain == list(reversed(REVISIONS))
     assert scripts.get_revision(HEAD).down_revision == PREVIOUS_HEAD
 
 
@@ -328,14 +329,16 @@ def test_out_of_date_schema_is_refused(
     fresh_db: Callable[[], str], opened: Callable[..., Database]
 ) -> None:
     url = fresh_db()
-    migrate(url, PREVIOUS_HEAD)
+    # Before 0003, whose change (a column) is visible on every dialect.
+    older = "0002"
+    migrate(url, older)
     message = refused(url)
     assert "ckptstore db upgrade" in message
-    assert PREVIOUS_HEAD in message
+    assert older in message
     assert HEAD in message
     # Refused, not migrated behind the user's back.
     database = opened(url, check_schema=False)
-    assert database.current_revision() == PREVIOUS_HEAD
+    assert database.current_revision() == older
     with database.engine.connect() as conn:
         columns = {c["name"] for c in inspect(conn).get_columns("blobs")}
     assert "condemned_at" not in columns  # the 0003 change was not applied
@@ -614,9 +617,8 @@ def test_concurrent_first_use_creates_schema_once(tmp_path: Path) -> None:
                 proc.kill()
             proc.communicate()
     logs = "\n".join(outputs)
-    assert logs.count(f"Running upgrade  -> {FIRST}") == 1, logs
-    assert logs.count(f"Running upgrade {FIRST} -> {PREVIOUS_HEAD}") == 1, logs
-    assert logs.count(f"Running upgrade {PREVIOUS_HEAD} -> {HEAD}") == 1, logs
+    for before, after in zip(("", *REVISIONS), REVISIONS, strict=False):
+        assert logs.count(f"Running upgrade {before} -> {after}") == 1, logs
 
     conn = sqlite3.connect(path)
     try:
@@ -736,7 +738,15 @@ def test_resolve_url_turns_paths_into_absolute_sqlite_urls(
     assert (tmp_path / "sub" / "dir").is_dir()
     assert resolve_url(str(tmp_path / "abs.db")) == f"sqlite:///{tmp_path}/abs.db"
     assert resolve_url(None) == f"sqlite:///{tmp_path}/.ckptstore/manifest.db"
-    assert resolve_url("  ") == f"sqlite:///{tmp_path}/.ckptstore/manifest.db"
+    monkeypatch.setenv("CKPTSTORE_DB", str(tmp_path / "env.db"))
+    assert resolve_url(None) == f"sqlite:///{tmp_path}/env.db"
+    # An explicit empty value is a mistake, not a request for the default.
+    with pytest.raises(ConfigError, match="empty string"):
+        resolve_url("  ")
+    # A reader's URL touches nothing: a missing file is an error, no directory is made.
+    with pytest.raises(ConfigError, match="no manifest database"):
+        resolve_url("other/m.db", create=False)
+    assert not (tmp_path / "other").exists()
 
 
 @pytest.mark.parametrize(

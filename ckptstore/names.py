@@ -1,0 +1,134 @@
+"""The grammar of run and component names, and how names are shown safely.
+
+Defined once here and enforced when a name is created (``open_run`` for a new run, ``save`` and
+``ShardWriter.write`` for components), so every name in the manifest can be typed on the command
+line (``RUN@STEP``), used as a file name by ``export`` and printed without side effects.
+
+- A **run name**: 1-255 characters, no control or invisible formatting characters (NUL, ESC,
+  newlines, bidi overrides, ...), no ``@`` (it separates run and step in ``RUN@STEP``), no
+  leading or trailing whitespace.
+- A **component name**: 1-255 characters, one or more ``/``-separated segments, each made of
+  letters, digits and ``._-+=:,`` and none of them ``.`` or ``..`` (``policy``,
+  ``policy/rank3``, ``optimizer/shard-0``).
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from ckptstore.errors import ConfigError
+
+MAX_NAME_LEN = 255
+_SEGMENT = re.compile(r"[A-Za-z0-9._+=:,-]+")
+
+
+def _invisible(ch: str) -> bool:
+    """Control (Cc), format (Cf: bidi overrides, zero-width), separators other than a space,
+    surrogates and unassigned code points: nothing a person can see or type reliably."""
+    category = unicodedata.category(ch)
+    return category in {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"} or (
+        category == "Zs" and ch != " "
+    )
+
+
+def check_run_name(name: object) -> str:
+    """``name`` if it is a valid run name; else a ConfigError that says what is wrong."""
+    if not isinstance(name, str):
+        raise ConfigError(f"run name must be a string, got {type(name).__name__}")
+    if not name or len(name) > MAX_NAME_LEN:
+        raise ConfigError(f"run name must be 1-{MAX_NAME_LEN} characters, got {len(name)}")
+    bad = sorted({ch for ch in name if _invisible(ch)})
+    if bad:
+        raise ConfigError(
+            f"invalid run name {printable(name)!r}: it contains control or invisible "
+            f"characters ({', '.join(f'U+{ord(c):04X}' for c in bad)}); use visible characters"
+        )
+    if "@" in name:
+        raise ConfigError(
+            f"invalid run name {printable(name)!r}: '@' separates run and step in RUN@STEP; "
+            "use another character (e.g. '-')"
+        )
+    if name != name.strip():
+        raise ConfigError(
+            f"invalid run name {printable(name)!r}: it starts or ends with whitespace"
+        )
+    return name
+
+
+def check_component_name(name: object) -> str:
+    """``name`` if it is a valid component name; else a ConfigError naming the rule."""
+    if not isinstance(name, str):
+        raise ConfigError(f"component name must be a string, got {type(name).__name__}")
+    segments = name.split("/")
+    if (
+        not name
+        or len(name) > MAX_NAME_LEN
+        or not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in segments)
+    ):
+        raise ConfigError(
+            f"invalid component name {printable(name)!r}: use 1-{MAX_NAME_LEN} characters in "
+            "'/'-separated segments of letters, digits and ._-+=:, (no empty, '.' or '..' "
+            "segment), e.g. 'policy' or 'policy/rank3'"
+        )
+    return name
+
+
+_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
+def check_kind(kind: object) -> str:
+    """A component kind ("state", "policy", "optimizer", "replay_buffer", ...): 1-32 lowercase
+    letters, digits and underscores, starting with a letter (the manifest's column is 32)."""
+    if not isinstance(kind, str) or not _KIND.fullmatch(kind):
+        raise ConfigError(
+            f"invalid component kind {printable(repr(kind))}: use 1-32 lowercase letters, digits "
+            "and '_', starting with a letter (e.g. 'policy', 'optimizer', 'state')"
+        )
+    return kind
+
+
+MAX_STEP = 2**63 - 1  # the manifest stores steps as BIGINT
+
+
+def check_step(step: object) -> int:
+    """``step`` if it is an int in 0..2**63-1 (what the manifest can store); else ConfigError."""
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ConfigError(f"step must be an integer, got {type(step).__name__} {step!r}")
+    if not 0 <= step <= MAX_STEP:
+        raise ConfigError(f"step must be between 0 and 2**63-1, got {step}")
+    return step
+
+
+_STEP_DIGITS = re.compile(r"[0-9]+")
+
+
+def parse_target(text: str, *, what: str = "target") -> tuple[str, int | None]:
+    """``RUN`` or ``RUN@STEP`` -> (run, step or None); STEP is ASCII digits within 0..2**63-1."""
+    name, sep, step = text.rpartition("@")
+    if not sep:
+        return text, None
+    if not name or not _STEP_DIGITS.fullmatch(step) or int(step) > MAX_STEP:
+        raise ConfigError(
+            f"{what} {printable(text)!r}: use RUN or RUN@STEP, STEP a number from 0 to 2**63-1"
+        )
+    return name, int(step)
+
+
+def printable(text: object) -> str:
+    """``text`` safe to print on a terminal: control and invisible characters (ESC, NUL,
+    newlines, bidi overrides) become ``\\x1b`` / ``\\u202e`` escapes; backslashes are doubled
+    only where an escape could be mistaken for one."""
+    value = str(text)
+    if not any(_invisible(ch) or ch == "\\" for ch in value):
+        return value
+    out = []
+    for ch in value:
+        if ch == "\\":
+            out.append("\\\\")
+        elif _invisible(ch):
+            code = ord(ch)
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)

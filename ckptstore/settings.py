@@ -1,0 +1,21 @@
+"""Defaults and environment variables that every layer reads: one place for each."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Where the embedded default keeps its database and store, relative to the working directory.
+DEFAULT_ROOT = ".ckptstore"
+DB_ENV = "CKPTSTORE_DB"
+STORE_ENV = "CKPTSTORE_STORE"
+
+
+def default_db() -> str:
+    """``$CKPTSTORE_DB``, else ``./.ckptstore/manifest.db``."""
+    return os.environ.get(DB_ENV) or str(Path(DEFAULT_ROOT) / "manifest.db")
+
+
+def default_store() -> str:
+    """``$CKPTSTORE_STORE``, else ``./.ckptstore/store``."""
+    return os.environ.get(STORE_ENV) or str(Path(DEFAULT_ROOT) / "store")
