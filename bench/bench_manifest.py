@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ckptstore import open_run  # noqa: E402
-from ckptstore.manifest.models import Checkpoint, Status  # noqa: E402
+from ckptstore.manifest.models import CheckpointRow, Status  # noqa: E402
 
 WARM_BYTES = int(1.25 * (1 << 30))
 
@@ -59,7 +59,7 @@ def populate(run_db: object, run_id: int, count: int) -> None:
 
     def fill(session: object) -> None:
         for i in range(0, len(rows), 10_000):
-            session.execute(insert(Checkpoint), rows[i : i + 10_000])  # type: ignore[attr-defined]
+            session.execute(insert(CheckpointRow), rows[i : i + 10_000])  # type: ignore[attr-defined]
 
     run_db.write(fill)  # type: ignore[attr-defined]
 

@@ -15,13 +15,15 @@ import torch
 from torch import nn
 
 from ckptstore.checkpointer import RetentionPolicy, open_run
-from ckptstore.checkpointer.run import default_db, default_store
 from ckptstore.serialize.compare import first_difference
+from ckptstore.settings import default_db, default_store
 
 MiB = 1 << 20
 
 
 class TinyTransformer(nn.Module):
+    """A small causal transformer for the example."""
+
     def __init__(self, vocab: int = 512, dim: int = 256, layers: int = 4, heads: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
@@ -30,11 +32,13 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of token ids."""
         out: torch.Tensor = self.head(self.blocks(self.embed(tokens)))
         return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train, checkpoint every step, and resume where the last run stopped."""
     parser = argparse.ArgumentParser(prog="python -m ckptstore.demo", description=__doc__)
     parser.add_argument("--db", default=None, help="manifest database (default ./.ckptstore)")
     parser.add_argument("--store", default=None, help="store URL or directory")

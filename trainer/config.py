@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from ckptstore.checkpointer import config_fingerprint
+from ckptstore.durations import parse_duration
+from ckptstore.errors import ConfigError
 
 DEFAULTS: dict[str, Any] = {
     "seed": 0,
@@ -145,7 +147,8 @@ def model_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint(value: Any) -> str:
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:12]
+    """A short, stable name part for a config (the first 12 hex digits of ckptstore's)."""
+    return config_fingerprint(value)[:12]
 
 
 def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -157,33 +160,26 @@ def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix.rstrip(".")]
 
 
-_DURATION = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
-
-
 def parse_deadline(value: str | None, process_start: float) -> float | None:
     """``checkpoint_must_save_by`` as a time budget in seconds counted from process start.
 
-    Accepts "DD:HH:MM:SS" (a duration) or an absolute ISO-8601 time; ``process_start`` is the
-    wall-clock time (``time.time()``) at which the process started.
+    Accepts a duration ("DD:HH:MM:SS", or e.g. "90m") or an absolute ISO-8601 time;
+    ``process_start`` is the wall-clock time (``time.time()``) at which the process started.
     """
     if value is None or value == "":
         return None
     text = str(value).strip()
-    match = _DURATION.match(text)
-    if match:
-        days, hours, minutes, seconds = (int(g) for g in match.groups())
-        if hours > 23 or minutes > 59 or seconds > 59:
-            raise SystemExit(
-                f"error: checkpointing.checkpoint_must_save_by={text!r}: hours, minutes and "
-                "seconds must be within 23:59:59 (format DD:HH:MM:SS)"
-            )
-        return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+    if "-" not in text and "T" not in text:
+        try:
+            return parse_duration(text, what="checkpointing.checkpoint_must_save_by")
+        except ConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise SystemExit(
             f"error: checkpointing.checkpoint_must_save_by={text!r} is neither a duration "
-            "DD:HH:MM:SS nor an ISO-8601 time such as 2026-12-01T06:00:00Z"
+            "(DD:HH:MM:SS, 90m) nor an ISO-8601 time such as 2026-12-01T06:00:00Z"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

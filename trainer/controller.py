@@ -31,9 +31,8 @@ from ckptstore.checkpointer import (
     SaveHandle,
     ShardWriter,
     open_run,
+    run_info,
 )
-from ckptstore.manifest import queries as q
-from ckptstore.manifest.db import Database
 from trainer import actors
 from trainer.config import (
     changed_keys,
@@ -229,39 +228,35 @@ class Controller:
             higher_is_better=bool(ck["higher_is_better"]),
         )
         self.restore_from: tuple[str, int] | None = None
-        database = Database(ck["db"])
-        try:
-            with database.read() as session:
-                row = q.find_run(session, name)
-                old_cfg = row.config if row is not None else None
-            old_model = model_config(old_cfg) if old_cfg is not None else None
-            if old_model is not None and old_model != model_config(train_cfg):
-                changed = changed_keys(old_model, model_config(train_cfg))
-                if not ck["fork"]:
-                    raise TrainerError(
-                        f"run {name!r} was trained with a different model config (changed: "
-                        f"{', '.join(changed)}); resuming it would mix two trainings. Set "
-                        "checkpointing.fork=true to start a new run from its newest checkpoint "
-                        "(lineage is recorded), or choose another checkpointing.run_name."
-                    )
-                parent = open_run(name, db=database, store=ck["store"], writable=False)
-                try:
-                    latest = parent.latest()
-                finally:
-                    parent.close()
-                if latest is None:
-                    raise TrainerError(f"cannot fork run {name!r}: it has no committed checkpoint")
-                fork_name = f"{name}-fork-{fingerprint(model_config(train_cfg))}"
-                self.emit(
-                    f"config changed ({', '.join(changed)}): forking run {name!r}@{latest.step} "
-                    f"into {fork_name!r}"
+        # The base run was opened for writing first, so the database exists by now.
+        existing = run_info(name, db=ck["db"])
+        old_cfg = existing.config if existing is not None else None
+        old_model = model_config(old_cfg) if old_cfg is not None else None
+        if old_model is not None and old_model != model_config(train_cfg):
+            changed = changed_keys(old_model, model_config(train_cfg))
+            if not ck["fork"]:
+                raise TrainerError(
+                    f"run {name!r} was trained with a different model config (changed: "
+                    f"{', '.join(changed)}); resuming it would mix two trainings. Set "
+                    "checkpointing.fork=true to start a new run from its newest checkpoint "
+                    "(lineage is recorded), or choose another checkpointing.run_name."
                 )
-                self.restore_from = (name, latest.step)
-                name, fork_from = fork_name, (name, latest.step)
-            else:
-                fork_from = (self.base_name, self.base_step)
-        finally:
-            database.close()
+            parent = open_run(name, db=ck["db"], store=ck["store"], writable=False)
+            try:
+                latest = parent.latest()
+            finally:
+                parent.close()
+            if latest is None:
+                raise TrainerError(f"cannot fork run {name!r}: it has no committed checkpoint")
+            fork_name = f"{name}-fork-{fingerprint(model_config(train_cfg))}"
+            self.emit(
+                f"config changed ({', '.join(changed)}): forking run {name!r}@{latest.step} "
+                f"into {fork_name!r}"
+            )
+            self.restore_from = (name, latest.step)
+            name, fork_from = fork_name, (name, latest.step)
+        else:
+            fork_from = (self.base_name, self.base_step)
         self.run = open_run(
             name,
             db=ck["db"],

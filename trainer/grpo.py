@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def resolve_locations(cfg: dict[str, Any]) -> None:
     """Absolute store/db locations: the actors may not share the driver's working directory."""
-    from ckptstore.checkpointer.run import default_db, default_store
+    from ckptstore.settings import default_db, default_store
 
     ck = cfg["checkpointing"]
     ck["db"] = ck["db"] or default_db()

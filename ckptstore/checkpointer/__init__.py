@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
+from ckptstore.checkpointer.handle import SaveHandle
+from ckptstore.checkpointer.open import config_fingerprint, open_run, run_info
+from ckptstore.checkpointer.restore import LoadedCheckpoint
 from ckptstore.checkpointer.retention import RetentionPolicy
-from ckptstore.checkpointer.run import (
-    CheckpointInfo,
-    ComponentInfo,
-    LoadedCheckpoint,
-    Run,
-    SaveHandle,
-    open_run,
-)
+from ckptstore.checkpointer.run import Run
 from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
+from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo
 
 __all__ = [
     "CheckpointInfo",
@@ -19,8 +16,11 @@ __all__ = [
     "LoadedCheckpoint",
     "RetentionPolicy",
     "Run",
+    "RunInfo",
     "SaveHandle",
     "ShardReceipt",
     "ShardWriter",
+    "config_fingerprint",
     "open_run",
+    "run_info",
 ]

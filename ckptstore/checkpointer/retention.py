@@ -40,6 +40,8 @@ class RetentionPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
+    """One committed checkpoint as retention sees it."""
+
     id: int
     step: int
     metrics: Mapping[str, Any] | None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
-from ckptstore.errors import ConfigError
+from ckptstore.names import check_component_name, check_kind
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.serialize.save import ComponentResult, write_component
 
@@ -27,16 +27,8 @@ class ShardReceipt:
 
     @property
     def uploaded_bytes(self) -> int:
+        """Bytes this worker uploaded (not already stored)."""
         return self.result.uploaded_bytes
-
-
-def check_component_name(name: str) -> str:
-    if not name or len(name) > 255 or any(ord(ch) < 32 for ch in name):
-        raise ConfigError(
-            f"invalid component name {name!r}: use 1-255 printable characters, "
-            "e.g. 'policy' or 'policy/rank3'"
-        )
-    return name
 
 
 class ShardWriter:
@@ -50,10 +42,12 @@ class ShardWriter:
     def write(self, component: str, state: Any, *, kind: str = "state") -> ShardReceipt:
         """Store ``state`` (do not mutate it until this returns) and return the receipt."""
         check_component_name(component)
+        check_kind(kind)
         self._writer.forget()
         return ShardReceipt(component, write_component(self._writer, state), kind)
 
     def close(self) -> None:
+        """Release the writer threads (and the store, if this writer opened it)."""
         self._writer.close()
         if self._owns_store:
             self.store.close()

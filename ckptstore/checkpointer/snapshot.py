@@ -60,11 +60,3 @@ class Snapshotter:
             return tensor_leaf(buffer, path)
 
         return view
-
-    def release(self) -> None:
-        """Free the reusable buffers (the next snapshot allocates afresh)."""
-        self._buffers.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())

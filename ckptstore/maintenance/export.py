@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,45 @@ import numpy as np
 import torch
 
 from ckptstore.errors import ConfigError, SerializationError
+from ckptstore.names import printable
 from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.load import load_component, load_entries, read_index
+from ckptstore.serialize.reader import ComponentReader
 
 FORMATS = ("safetensors", "torch")
 Progress = Callable[[int], None]
+
+
+def check_output_dir(directory: str | Path) -> Path:
+    """``directory`` if exported files can be written there, checked before any export starts:
+    it is a writable directory, or one can be made there (its nearest existing parent is a
+    writable directory). Creates nothing; a :class:`ConfigError` names the path otherwise."""
+    if not str(directory):
+        raise ConfigError(
+            "cannot export to '': the directory is an empty string; name one (it is made if "
+            "missing)"
+        )
+    path = Path(directory)
+    where = f"'{printable(path)}'"
+    try:
+        nearest = path.absolute()
+        while not os.path.lexists(nearest) and nearest != nearest.parent:
+            nearest = nearest.parent
+        nearest_is_dir = nearest.is_dir()
+        writable = os.access(nearest, os.W_OK | os.X_OK)
+    except (OSError, ValueError) as exc:  # too long a name, a NUL byte
+        raise ConfigError(f"cannot export to {where}: {exc}") from None
+    if not nearest_is_dir:
+        raise ConfigError(
+            f"cannot export to {where}: it exists and is not a directory"
+            if nearest == path.absolute()
+            else f"cannot export to {where}: '{printable(nearest)}' is not a directory"
+        )
+    if not writable:
+        raise ConfigError(
+            f"cannot export to {where}: '{printable(nearest)}' is not writable; choose another "
+            "directory"
+        )
+    return path
 
 
 def safe_path(root: Path, name: str, suffix: str) -> Path:
@@ -23,11 +58,11 @@ def safe_path(root: Path, name: str, suffix: str) -> Path:
     that could point outside ``root``."""
     parts = name.split("/")
     if any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
-        raise ConfigError(f"component name {name!r} cannot be used as a file name")
+        raise ConfigError(f"component name '{printable(name)}' cannot be used as a file name")
     path = (root / Path(*parts)).with_name(parts[-1] + suffix)
     resolved_root = root.resolve()
     if not path.resolve().is_relative_to(resolved_root):
-        raise ConfigError(f"component name {name!r} points outside {root}")
+        raise ConfigError(f"component name '{printable(name)}' points outside {printable(root)}")
     return path
 
 
@@ -45,21 +80,25 @@ def export_component(
     """Write one component to ``path`` in ``fmt``; returns the file written."""
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {FORMATS}, not {fmt!r}")
-    index = read_index(store, index_digest, context=context)
-    for entry in index.entries:
+    reader = ComponentReader(store, index_digest, context=context)
+    for entry in reader.entries:
         _check_tensor_name(entry.path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # e.g. a file where a component needs a directory
+        raise ConfigError(
+            f"{context}: cannot make the directory '{printable(path.parent)}': "
+            f"{exc.strerror or exc}"
+        ) from exc
     tmp = path.with_name(f".{path.name}.partial")
     if fmt == "torch":
-        torch.save(load_component(store, index_digest, context=context), tmp)
+        torch.save(reader.load(), tmp)
     else:
         from safetensors.torch import save_file
 
-        values = load_entries(store, index, range(len(index.entries)), context=context)
         tensors: dict[str, torch.Tensor] = {}
         metadata: dict[str, Any] = {}
-        for i, entry in enumerate(index.entries):
-            value = values[i]
+        for entry, value in zip(reader.entries, reader.values(), strict=True):
             if isinstance(value, torch.Tensor):
                 tensors[entry.path] = value.contiguous()
             elif isinstance(value, np.ndarray | np.generic):

@@ -1,7 +1,10 @@
 """Garbage collection: mark, then sweep, with a grace period (DESIGN.md §8).
 
-- **Mark**: a live blob that no committed or pending checkpoint references, and that nobody
-  claimed within the grace period, is condemned (``condemned_at`` = now).
+- **Mark**: a live blob that no committed, pending or corrupt checkpoint references, and that
+  nobody claimed within the grace period, is condemned (``condemned_at`` = now). Corrupt
+  checkpoints keep their blobs: corruption is repairable (checkpointer/repair.py), and a blob
+  must never be deleted because of damage that was later repaired. ``release_corrupt=True``
+  lets them go, when their owner has given up on repair.
 - **Sweep**: a blob condemned for at least the grace period, and still unreferenced and
   unclaimed, loses its row and then its object — both while holding the GC lock, which every
   commit takes shared, so a commit that claims the blob either revives it first or finds it gone
@@ -23,26 +26,14 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from sqlalchemy import and_, delete, exists, func, select, update
-from sqlalchemy.orm import Session
-from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.sql.selectable import Exists
-
 from ckptstore.cas.digest import blob_key, digest_from_key
-from ckptstore.errors import CkptStoreError
-from ckptstore.manifest import queries as q
+from ckptstore.errors import GcBusyError
+from ckptstore.manifest import garbage
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.models import (
-    Blob,
-    BlobState,
-    Checkpoint,
-    CheckpointBlob,
-    Component,
-    GcLease,
-    Status,
-    utcnow,
-)
+from ckptstore.manifest.models import utcnow
 from ckptstore.objectstore import ObjectStore
+
+__all__ = ["DEFAULT_GRACE", "GcBusyError", "GcReport", "collect_garbage", "gc_lease"]
 
 log = logging.getLogger("ckptstore.gc")
 
@@ -52,12 +43,10 @@ _BATCH = 500
 Progress = Callable[[str, int], None]
 
 
-class GcBusyError(CkptStoreError):
-    """Another garbage collection holds the lease."""
-
-
 @dataclass(slots=True)
 class GcReport:
+    """What one GC pass did (or, dry run, would do)."""
+
     dry_run: bool
     grace_seconds: float
     condemned: int = 0
@@ -69,55 +58,24 @@ class GcReport:
     #: Leftovers of writes that never finished (temporary files, multipart uploads).
     incomplete: int = 0
     incomplete_bytes: int = 0
+    #: Blobs kept only because corrupt checkpoints reference them (repairable history).
+    kept_for_corrupt: int = 0
+    kept_for_corrupt_bytes: int = 0
+    corrupt_checkpoints: int = 0
+    release_corrupt: bool = False
     errors: list[str] = field(default_factory=list)
-
-
-def _protected() -> Exists:
-    """SQL: the blob is referenced by a committed or pending checkpoint."""
-    return exists(
-        select(1)
-        .select_from(CheckpointBlob)
-        .join(Checkpoint, Checkpoint.id == CheckpointBlob.checkpoint_id)
-        .where(
-            CheckpointBlob.digest == Blob.digest,
-            Checkpoint.status.in_([Status.COMMITTED, Status.PENDING]),
-        )
-    )
 
 
 @contextlib.contextmanager
 def gc_lease(db: Database, holder: str | None = None) -> Iterator[str]:
     """Hold the single GC lease for the duration of the block."""
     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-
-    def acquire(session: Session) -> None:
-        now = utcnow()
-        # Make sure the single row exists (two GCs racing to create it must not collide),
-        # then lock it: the second GC waits here and then sees the first one's lease.
-        session.execute(
-            q.insert_ignoring_duplicates(session, GcLease),
-            [{"id": 1, "holder": "", "expires_at": now - dt.timedelta(seconds=1)}],
-        )
-        lease = session.scalars(select(GcLease).where(GcLease.id == 1).with_for_update()).first()
-        if lease is not None and q.as_utc(lease.expires_at) > now and lease.holder != holder:
-            raise GcBusyError(
-                f"another garbage collection ({lease.holder}) holds the lease until "
-                f"{q.as_utc(lease.expires_at):%Y-%m-%d %H:%M:%S} UTC; wait for it to finish"
-            )
-        if lease is None:  # released (deleted) between the two statements
-            session.add(GcLease(id=1, holder=holder, expires_at=now + LEASE_TTL))
-        else:
-            lease.holder, lease.expires_at = holder, now + LEASE_TTL
-
-    db.write(acquire, what="taking the GC lease")
+    garbage.take_lease(db, holder, LEASE_TTL)
     try:
         yield holder
     finally:
         with contextlib.suppress(Exception):  # an expired lease frees itself anyway
-            db.write(
-                lambda s: s.execute(delete(GcLease).where(GcLease.holder == holder)),
-                what="releasing the GC lease",
-            )
+            garbage.release_lease(db, holder)
 
 
 def collect_garbage(
@@ -126,50 +84,25 @@ def collect_garbage(
     *,
     grace: dt.timedelta = DEFAULT_GRACE,
     dry_run: bool = False,
+    release_corrupt: bool = False,
     progress: Progress | None = None,
 ) -> GcReport:
     """Run one mark-and-sweep pass; see the module docstring."""
-    report = GcReport(dry_run=dry_run, grace_seconds=grace.total_seconds())
+    report = GcReport(
+        dry_run=dry_run, grace_seconds=grace.total_seconds(), release_corrupt=release_corrupt
+    )
     with gc_lease(db):
-        _mark(db, grace, report)
+        kept = garbage.kept_for_corrupt(db)
+        report.kept_for_corrupt, report.kept_for_corrupt_bytes, report.corrupt_checkpoints = kept
+        report.condemned, report.condemned_bytes = garbage.condemn(
+            db, utcnow() - grace, release_corrupt=release_corrupt, dry_run=dry_run
+        )
         _sweep(db, store, grace, report, progress)
         _sweep_orphans(db, store, grace, report, progress)
         report.incomplete, report.incomplete_bytes = store.sweep_incomplete(
             grace.total_seconds(), dry_run=dry_run
         )
     return report
-
-
-def _mark(db: Database, grace: dt.timedelta, report: GcReport) -> None:
-    cutoff = utcnow() - grace
-    condition = and_(Blob.state == BlobState.LIVE, Blob.last_claimed_at < cutoff, ~_protected())
-
-    def mark(session: Session) -> tuple[int, int]:
-        # Exclusive against commits (they hold it shared): a commit claiming a blob is either
-        # fully visible to this mark or starts after it (and then revives what it condemned).
-        q.hold_gc_lock_exclusive(session)
-        count, size = session.execute(
-            select(func.count(), func.coalesce(func.sum(Blob.stored_bytes), 0)).where(condition)
-        ).one()
-        if not report.dry_run:
-            session.execute(
-                update(Blob)
-                .where(condition)
-                .values(state=BlobState.CONDEMNED, condemned_at=utcnow())
-                .execution_options(synchronize_session=False)
-            )
-        return int(count), int(size)
-
-    report.condemned, report.condemned_bytes = db.write(mark, what="GC mark")
-
-
-def _sweepable(cutoff: dt.datetime) -> ColumnElement[bool]:
-    return and_(
-        Blob.state == BlobState.CONDEMNED,
-        Blob.condemned_at < cutoff,
-        Blob.last_claimed_at < cutoff,
-        ~_protected(),
-    )
 
 
 def _sweep(
@@ -180,38 +113,20 @@ def _sweep(
     progress: Progress | None,
 ) -> None:
     cutoff = utcnow() - grace
-    with db.read() as session:
-        doomed = list(
-            session.execute(select(Blob.digest, Blob.stored_bytes).where(_sweepable(cutoff)))
-        )
+    doomed = garbage.sweepable(db, cutoff, release_corrupt=report.release_corrupt)
     if report.dry_run:
         report.swept = len(doomed)
         report.swept_bytes = sum(size for _, size in doomed)
         return
     for i in range(0, len(doomed), _BATCH):
         batch = [d for d, _ in doomed[i : i + _BATCH]]
-
-        def sweep(session: Session, batch: Sequence[str] = batch) -> tuple[int, int]:
-            q.hold_gc_lock_exclusive(session)
-            rows = list(
-                session.execute(
-                    select(Blob.digest, Blob.stored_bytes)
-                    .where(Blob.digest.in_(batch), _sweepable(cutoff))
-                    .with_for_update()
-                )
-            )
-            digests = [d for d, _ in rows]
-            if not digests:
-                return 0, 0
-            # Rows of failed, deleted or corrupt checkpoints still point at these blobs.
-            session.execute(delete(CheckpointBlob).where(CheckpointBlob.digest.in_(digests)))
-            session.execute(delete(Component).where(Component.index_digest.in_(digests)))
-            session.execute(delete(Blob).where(Blob.digest.in_(digests)))
-            session.flush()
-            store.delete(blob_key(d) for d in digests)
-            return len(digests), sum(size for _, size in rows)
-
-        count, size = db.write(sweep, what="GC sweep")
+        count, size = garbage.sweep(
+            db,
+            batch,
+            cutoff,
+            release_corrupt=report.release_corrupt,
+            delete_objects=lambda digests: store.delete(blob_key(d) for d in digests),
+        )
         report.swept += count
         report.swept_bytes += size
         if progress:
@@ -241,31 +156,18 @@ def _sweep_orphans(
 def _delete_orphans(
     db: Database,
     store: ObjectStore,
-    candidates: list[tuple[str, int]],
+    candidates: Sequence[tuple[str, int]],
     report: GcReport,
     progress: Progress | None,
 ) -> None:
     sizes = dict(candidates)
-
-    def known(session: Session) -> set[str]:
-        return set(session.scalars(select(Blob.digest).where(Blob.digest.in_(list(sizes)))))
-
     if report.dry_run:
-        with db.read() as session:
-            orphans = set(sizes) - known(session)
-        report.orphans += len(orphans)
-        report.orphan_bytes += sum(sizes[d] for d in orphans)
-        return
-
-    def sweep(session: Session) -> set[str]:
-        q.hold_gc_lock_exclusive(session)
-        orphans = set(sizes) - known(session)
-        if orphans:
-            store.delete(blob_key(d) for d in sorted(orphans))
-        return orphans
-
-    orphans = db.write(sweep, what="GC orphan sweep")
+        orphans = garbage.unknown_digests(db, list(sizes))
+    else:
+        orphans = garbage.delete_orphans(
+            db, list(sizes), lambda digests: store.delete(blob_key(d) for d in digests)
+        )
     report.orphans += len(orphans)
     report.orphan_bytes += sum(sizes[d] for d in orphans)
-    if progress:
+    if progress and not report.dry_run:
         progress("orphans", len(candidates))

@@ -8,23 +8,22 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from sqlalchemy import select
-from sqlalchemy.orm import Session
-
-from ckptstore.cas.blobs import MissingBlobError, get_blob, quarantine_blob
+from ckptstore.cas.blobs import quarantine_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
+from ckptstore.checkpointer.repair import check_blob
+from ckptstore.checkpointer.repair import recheck as recheck_checkpoints
 from ckptstore.errors import (
     CkptStoreError,
     IntegrityError,
     SerializationError,
     StoreNotFoundError,
 )
-from ckptstore.manifest import queries as q
+from ckptstore.manifest import reads
+from ckptstore.manifest import transactions as tx
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.models import Blob, Checkpoint, CheckpointBlob, Run, Status
 from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.load import read_index
+from ckptstore.serialize.reader import ComponentReader
 
 log = logging.getLogger("ckptstore.verify")
 Progress = Callable[[int], None]
@@ -32,6 +31,8 @@ Progress = Callable[[int], None]
 
 @dataclass(frozen=True, slots=True)
 class Problem:
+    """One missing, damaged or unreadable blob of one checkpoint."""
+
     run: str
     step: int
     component: str
@@ -42,11 +43,15 @@ class Problem:
 
 @dataclass(slots=True)
 class VerifyReport:
+    """What one verify pass checked and found."""
+
     checkpoints: int = 0
     blobs_checked: int = 0
     bytes_checked: int = 0
     problems: list[Problem] = field(default_factory=list)
     corrupt_checkpoints: list[tuple[str, int]] = field(default_factory=list)
+    #: Corrupt checkpoints that verified again (``recheck``) and are committed again.
+    repaired: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -59,35 +64,17 @@ class _Target:
 
 
 def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
-    with db.read() as session:
-        query = (
-            select(Checkpoint.id, Run.name, Checkpoint.step)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(Checkpoint.status == Status.COMMITTED)
-        )
-        if run is not None:
-            query = query.where(Run.name == run)
-        if step is not None:
-            query = query.where(Checkpoint.step == step)
-        rows = list(session.execute(query.order_by(Run.name, Checkpoint.step)))
-        targets = []
-        for cid, name, cstep in rows:
-            sizes = _digests(session, cid)
-            owners = dict.fromkeys(sizes, "?")
-            for comp in q.components_of(session, cid):
-                owners[comp.index_digest] = comp.name
-            targets.append(_Target(cid, name, cstep, owners, sizes))
-        return targets
-
-
-def _digests(session: Session, checkpoint_id: int) -> dict[str, int]:
-    """The checkpoint's blobs and the raw length the manifest recorded for each."""
-    rows = session.execute(
-        select(CheckpointBlob.digest, Blob.logical_bytes)
-        .outerjoin(Blob, Blob.digest == CheckpointBlob.digest)
-        .where(CheckpointBlob.checkpoint_id == checkpoint_id)
-    )
-    return {digest: size if size is not None else MAX_RAW_LEN for digest, size in rows}
+    targets = []
+    for info in reads.targets(db, run=run, step=step):
+        sizes = {
+            digest: size if size is not None else MAX_RAW_LEN
+            for digest, size in reads.blob_sizes(db, info.id).items()
+        }
+        owners = dict.fromkeys(sizes, "?")
+        for comp in info.components:
+            owners[comp.index_digest] = comp.name
+        targets.append(_Target(info.id, info.run, info.step, owners, sizes))
+    return targets
 
 
 def verify(
@@ -98,6 +85,7 @@ def verify(
     step: int | None = None,
     sample: int | None = None,
     mark_corrupt: bool = True,
+    recheck: bool = False,
     workers: int = 8,
     progress: Progress | None = None,
     seed: int | None = None,
@@ -105,9 +93,14 @@ def verify(
     """Check every blob (or ``sample`` random blobs per checkpoint) of committed checkpoints.
 
     Damaged checkpoints are marked corrupt and their bad blobs quarantined (so the next save
-    uploads good bytes), unless ``mark_corrupt`` is False.
+    uploads good bytes), unless ``mark_corrupt`` is False. With ``recheck``, checkpoints marked
+    corrupt are re-verified in full too, and those whose every blob verifies again (a good copy
+    was re-uploaded or restored) become committed again (only if ``mark_corrupt``: without it
+    nothing changes).
     """
     report = VerifyReport()
+    if recheck:
+        _recheck(db, store, run, step, report, mark_corrupt, workers, progress)
     targets = _targets(db, run, step)
     rng = random.Random(seed)
     verdicts: dict[str, tuple[str, str] | None] = {}  # digest -> (kind, detail) or None if ok
@@ -121,20 +114,22 @@ def verify(
                 if component == "?":
                     continue
                 try:
-                    index = read_index(store, digest, index_len=target.sizes.get(digest))
+                    referenced = ComponentReader(
+                        store, digest, index_len=target.sizes.get(digest)
+                    ).digests
                 except IntegrityError:
                     continue  # reported below when the blob itself is checked
                 except SerializationError as exc:
                     unreadable.append((digest, str(exc)))  # intact bytes, but no valid index
                     continue
-                for blob in index.digests:
+                for blob in referenced:
                     target.owners[blob] = component
             todo = list(target.owners)
             if sample is not None and sample < len(todo):
                 todo = rng.sample(todo, sample)
             fresh = [d for d in todo if d not in verdicts]
             bounds = [target.sizes.get(d, MAX_RAW_LEN) for d in fresh]
-            checked = pool.map(_check, [store] * len(fresh), fresh, bounds)
+            checked = pool.map(check_blob, [store] * len(fresh), fresh, bounds)
             for digest, verdict, size in checked:
                 verdicts[digest] = verdict
                 report.blobs_checked += 1
@@ -159,23 +154,45 @@ def verify(
             "right (--store, CKPTSTORE_STORE, the bucket and prefix)? Nothing was marked corrupt."
         )
     for target, verdict, digests in to_mark:
-        _mark(db, store, target, verdict, digests)
+        _mark_corrupt(db, store, target, verdict, digests)
     return report
 
 
-def _check(
-    store: ObjectStore, digest: str, max_raw_len: int
-) -> tuple[str, tuple[str, str] | None, int]:
-    try:
-        _, raw = get_blob(store, digest, max_raw_len=max_raw_len)
-    except MissingBlobError as exc:
-        return digest, ("missing", str(exc)), 0
-    except IntegrityError as exc:
-        return digest, ("corrupt", str(exc)), 0
-    return digest, None, raw.nbytes
+def _recheck(
+    db: Database,
+    store: ObjectStore,
+    run: str | None,
+    step: int | None,
+    report: VerifyReport,
+    restore: bool,
+    workers: int,
+    progress: Progress | None,
+) -> None:
+    ids = [c.id for c in reads.targets(db, run=run, step=step, status="corrupt")]
+    if not ids:
+        return
+    results = recheck_checkpoints(db, store, ids, workers=workers, restore=restore)
+    for result in results:
+        report.checkpoints += 1
+        report.blobs_checked += result.blobs_checked
+        report.bytes_checked += result.bytes_checked
+        if progress:
+            progress(result.blobs_checked)
+        if result.repaired:
+            report.repaired.append((result.run, result.step))
+            continue
+        if not result.problems:
+            continue  # verified, but not restored (restore=False): nothing to report
+        report.corrupt_checkpoints.append((result.run, result.step))
+        for digest, kind, detail in result.problems:
+            report.problems.append(
+                Problem(
+                    result.run, result.step, "?", f"{store.url}/{blob_key(digest)}", kind, detail
+                )
+            )
 
 
-def _mark(
+def _mark_corrupt(
     db: Database,
     store: ObjectStore,
     target: _Target,
@@ -184,18 +201,13 @@ def _mark(
 ) -> None:
     reason = f"verify: {verdict[0]} blob: {verdict[1]}" if verdict else "verify failed"
 
-    def transaction(session: Session) -> None:
-        # Condemn and quarantine with commits held off, so no commit can trust the damaged
-        # object between the two (a later one finds the row condemned and the object gone).
-        q.hold_gc_lock_exclusive(session)
-        q.mark(session, target.id, Status.CORRUPT, reason)
-        for digest in digests:
-            q.condemn_blob(session, digest)
-        for digest in digests:
-            try:
-                quarantine_blob(store, digest)
-            except CkptStoreError:
-                log.exception("could not quarantine %s", blob_key(digest))
+    def quarantine(digest: str) -> None:
+        try:
+            quarantine_blob(store, digest)
+        except CkptStoreError:
+            log.exception("could not quarantine %s", blob_key(digest))
 
-    db.write(transaction, what="marking a corrupt checkpoint")
+    # Condemn and quarantine with commits held off, so no commit can trust the damaged object
+    # between the two (a later one finds the row condemned and the object gone).
+    tx.mark_corrupt(db, target.id, reason, digests, quarantine)
     log.error("run %r step %d is corrupt: %s", target.run, target.step, reason)

@@ -22,19 +22,18 @@ from sqlalchemy import func, select, text
 from ckptstore.cas.digest import blob_key, digest_bytes
 from ckptstore.cas.writer import WriterOptions
 from ckptstore.checkpointer import CheckpointInfo, RetentionPolicy, Run, SaveHandle, open_run
-from ckptstore.checkpointer.retention import Candidate, to_delete
 from ckptstore.errors import (
     CheckpointNotFoundError,
     ConfigError,
     FencedError,
     IntegrityError,
     ObjectStoreError,
+    RunStateError,
     SaveError,
 )
 from ckptstore.manifest import Database
 from ckptstore.manifest import queries as q
-from ckptstore.manifest.models import Blob, Checkpoint, CheckpointBlob, Status
-from ckptstore.manifest.models import Run as RunRow
+from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, CheckpointRow, RunRow, Status
 from ckptstore.objectstore import LocalStore, PutData
 from ckptstore.serialize.compare import first_difference
 
@@ -91,14 +90,16 @@ def blob_digests(run: Run, checkpoint_id: int) -> set[str]:
     with run.db.read() as session:
         return set(
             session.scalars(
-                select(CheckpointBlob.digest).where(CheckpointBlob.checkpoint_id == checkpoint_id)
+                select(CheckpointBlobRow.digest).where(
+                    CheckpointBlobRow.checkpoint_id == checkpoint_id
+                )
             )
         )
 
 
 def stored_bytes_of(run: Run, digests: set[str]) -> int:
     with run.db.read() as session:
-        sizes = session.scalars(select(Blob.stored_bytes).where(Blob.digest.in_(digests)))
+        sizes = session.scalars(select(BlobRow.stored_bytes).where(BlobRow.digest.in_(digests)))
         return sum(sizes)
 
 
@@ -324,7 +325,7 @@ def test_failed_save_surfaces_at_close(db_url: str, flaky_store: FlakyStore) -> 
     with pytest.raises(SaveError, match="step 1"):
         run.close()
     run.close()  # closed, nothing left to report
-    with pytest.raises(ConfigError, match="closed"):
+    with pytest.raises(RunStateError, match="closed"):
         run.save(2, model_state(2))
     flaky_store.failing = False
     with open_run("err-close", db=db_url, store=flaky_store) as again:
@@ -388,153 +389,11 @@ def test_exception_in_the_with_block_is_not_masked_by_a_failed_save(
 # -- 5. retention ----------------------------------------------------------------------------------
 
 
-def C(step: int, metrics: dict[str, Any] | None) -> Candidate:
-    return Candidate(id=step, step=step, metrics=metrics)
+REWARD = "train:reward"
 
 
 def R(value: Any) -> dict[str, Any]:
     return {"train:reward": value}
-
-
-REWARD = "train:reward"
-RETENTION_CASES = [
-    # (id, candidates, policy, expected deleted steps)
-    ("keep-all", [C(s, None) for s in (1, 2, 3)], RetentionPolicy(), set()),
-    (
-        "keep-all-with-metric",
-        [C(1, R(1.0)), C(2, R(0.0))],
-        RetentionPolicy(keep_top_k=None, metric_name=REWARD),
-        set(),
-    ),
-    ("empty", [], RetentionPolicy(keep_top_k=1), set()),
-    (
-        "no-metric-keeps-newest",
-        [C(s, R(s)) for s in (1, 2, 3, 4, 5)],
-        RetentionPolicy(keep_top_k=2),
-        {1, 2, 3},
-    ),
-    (
-        "top-k-zero-keeps-only-latest",
-        [C(1, R(9.0)), C(2, R(8.0)), C(3, R(0.0))],
-        RetentionPolicy(keep_top_k=0, metric_name=REWARD),
-        {1, 2},
-    ),
-    (
-        "higher-is-better",
-        [C(1, R(0.5)), C(2, R(0.9)), C(3, R(0.1)), C(4, R(0.7)), C(5, R(0.2))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD),
-        {1, 3},
-    ),
-    (
-        "lower-is-better",
-        [C(1, R(0.5)), C(2, R(0.9)), C(3, R(0.1)), C(4, R(0.2)), C(5, R(0.7))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD, higher_is_better=False),
-        {1, 2},
-    ),
-    (
-        "int-and-float-metrics",
-        [C(1, R(3)), C(2, R(2.5)), C(3, R(0))],
-        RetentionPolicy(keep_top_k=1, metric_name=REWARD),
-        {2},
-    ),
-    (
-        "missing-ranks-below-any-value",
-        [C(1, R(-5.0)), C(2, None), C(3, {"other": 100.0}), C(4, R(-1.0)), C(5, R(1.0))],
-        RetentionPolicy(keep_top_k=3, metric_name=REWARD),
-        {2, 3},
-    ),
-    (
-        "missing-ranks-worst-when-lower-is-better",
-        [C(1, R(50.0)), C(2, {}), C(3, R(10.0))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD, higher_is_better=False),
-        {2},
-    ),
-    (
-        "nan-ranks-worst",
-        [C(1, R(math.nan)), C(2, R(-3.0)), C(3, R(0.5)), C(4, R(0.1))],
-        RetentionPolicy(keep_top_k=3, metric_name=REWARD),
-        {1},
-    ),
-    (
-        "nan-ranks-worst-when-lower-is-better",
-        [C(1, R(math.nan)), C(2, R(3.0)), C(3, R(1.0))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD, higher_is_better=False),
-        {1},
-    ),
-    (
-        "non-numeric-ranks-worst",
-        [
-            C(1, R("0.9")),
-            C(2, R(True)),
-            C(3, R([1.0])),
-            C(4, R(None)),
-            C(5, R(-1.0)),
-            C(6, R(-2.0)),
-        ],
-        RetentionPolicy(keep_top_k=1, metric_name=REWARD),
-        {1, 2, 3, 4},
-    ),
-    (
-        "ties-keep-the-newer-step",
-        [C(1, R(0.5)), C(2, R(0.5)), C(3, R(0.5)), C(4, R(0.1))],
-        RetentionPolicy(keep_top_k=1, metric_name=REWARD),
-        {1, 2},
-    ),
-    (
-        "ties-keep-the-newer-steps",
-        [C(1, R(0.5)), C(2, R(0.5)), C(3, R(0.5)), C(4, R(0.1))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD),
-        {1},
-    ),
-    (
-        "ties-among-missing-keep-the-newer",
-        [C(1, None), C(2, None), C(3, None), C(4, R(1.0))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD),
-        {1, 2},
-    ),
-    (
-        "keep-latest-k-protects-newest",
-        [C(1, R(0.9)), C(2, R(0.1)), C(3, R(0.2)), C(4, R(0.3)), C(5, R(0.0))],
-        RetentionPolicy(keep_top_k=1, metric_name=REWARD, keep_latest_k=2),
-        {2, 3},
-    ),
-    (
-        "keep-latest-k-larger-than-history",
-        [C(1, R(0.9)), C(2, R(0.1))],
-        RetentionPolicy(keep_top_k=0, metric_name=REWARD, keep_latest_k=5),
-        set(),
-    ),
-    (
-        "latest-kept-even-when-worst",
-        [C(1, R(0.9)), C(2, R(0.8)), C(3, None)],
-        RetentionPolicy(keep_top_k=1, metric_name=REWARD),
-        {2},
-    ),
-    (
-        "order-of-input-does-not-matter",
-        [C(5, R(0.2)), C(1, R(0.5)), C(4, R(0.7)), C(3, R(0.1)), C(2, R(0.9))],
-        RetentionPolicy(keep_top_k=2, metric_name=REWARD),
-        {1, 3},
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    ("candidates", "policy", "expected"),
-    [pytest.param(c, p, e, id=i) for i, c, p, e in RETENTION_CASES],
-)
-def test_retention_to_delete(
-    candidates: list[Candidate], policy: RetentionPolicy, expected: set[int]
-) -> None:
-    assert to_delete(candidates, policy) == expected
-    assert to_delete(reversed(candidates), policy) == expected
-
-
-def test_retention_policy_rejects_negative_counts() -> None:
-    with pytest.raises(ConfigError, match="keep_top_k"):
-        RetentionPolicy(keep_top_k=-1)
-    with pytest.raises(ConfigError, match="keep_latest_k"):
-        RetentionPolicy(keep_latest_k=-1)
 
 
 def test_retention_end_to_end_with_off_period_saves(db_url: str, store: LocalStore) -> None:
@@ -792,11 +651,13 @@ def checkpoint_summary(run: Run) -> list[dict[str, Any]]:
 def committed_stored_bytes(run: Run) -> int:
     with run.db.read() as session:
         digests = (
-            select(CheckpointBlob.digest)
-            .join(Checkpoint, Checkpoint.id == CheckpointBlob.checkpoint_id)
-            .where(Checkpoint.run_id == run.id, Checkpoint.status == Status.COMMITTED)
+            select(CheckpointBlobRow.digest)
+            .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+            .where(CheckpointRow.run_id == run.id, CheckpointRow.status == Status.COMMITTED)
         )
-        total = session.scalar(select(func.sum(Blob.stored_bytes)).where(Blob.digest.in_(digests)))
+        total = session.scalar(
+            select(func.sum(BlobRow.stored_bytes)).where(BlobRow.digest.in_(digests))
+        )
         return int(total or 0)
 
 

@@ -31,7 +31,7 @@ from ckptstore.cas.blobs import put_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import Kind
 from ckptstore.checkpointer import Run, ShardReceipt, ShardWriter, open_run
-from ckptstore.manifest.models import Blob, CheckpointBlob, utcnow
+from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, utcnow
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize.compare import first_difference
 
@@ -54,7 +54,9 @@ def referenced(run: Run, checkpoint_id: int) -> set[str]:
     with run.db.read() as session:
         return set(
             session.scalars(
-                select(CheckpointBlob.digest).where(CheckpointBlob.checkpoint_id == checkpoint_id)
+                select(CheckpointBlobRow.digest).where(
+                    CheckpointBlobRow.checkpoint_id == checkpoint_id
+                )
             )
         )
 
@@ -314,12 +316,12 @@ def test_commit_survives_a_concurrent_commit_of_the_same_blob(
         assert ref.uploaded
         with run.db.engine.connect() as other:
             other.execute(
-                insert(Blob).values(
+                insert(BlobRow).values(
                     digest=ref.digest,
                     kind="chunk",
                     logical_bytes=ref.logical_bytes,
                     stored_bytes=ref.stored_bytes,
-                    codec=ref.codec.name.lower() if ref.codec is not None else None,
+                    codec=ref.codec,
                     created_at=utcnow(),
                     last_claimed_at=utcnow(),
                     state="live",

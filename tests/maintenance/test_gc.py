@@ -35,11 +35,11 @@ from ckptstore.maintenance import GcBusyError, GcReport, collect_garbage, verify
 from ckptstore.maintenance.gc import LEASE_TTL, gc_lease
 from ckptstore.manifest import Database
 from ckptstore.manifest.models import (
-    Blob,
+    BlobRow,
     BlobState,
-    Checkpoint,
-    CheckpointBlob,
-    GcLease,
+    CheckpointBlobRow,
+    CheckpointRow,
+    GcLeaseRow,
     Status,
     utcnow,
 )
@@ -98,7 +98,9 @@ def referenced(db: Database, checkpoint_id: int) -> set[str]:
     with db.read() as session:
         return set(
             session.scalars(
-                select(CheckpointBlob.digest).where(CheckpointBlob.checkpoint_id == checkpoint_id)
+                select(CheckpointBlobRow.digest).where(
+                    CheckpointBlobRow.checkpoint_id == checkpoint_id
+                )
             )
         )
 
@@ -107,9 +109,9 @@ def committed_references(db: Database) -> set[str]:
     with db.read() as session:
         return set(
             session.scalars(
-                select(CheckpointBlob.digest)
-                .join(Checkpoint, Checkpoint.id == CheckpointBlob.checkpoint_id)
-                .where(Checkpoint.status == Status.COMMITTED)
+                select(CheckpointBlobRow.digest)
+                .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+                .where(CheckpointRow.status == Status.COMMITTED)
             )
         )
 
@@ -119,7 +121,7 @@ def blob_rows(db: Database) -> dict[str, tuple[str, int, Any, Any]]:
     with db.read() as session:
         return {
             b.digest: (b.state, b.stored_bytes, b.last_claimed_at, b.condemned_at)
-            for b in session.scalars(select(Blob))
+            for b in session.scalars(select(BlobRow))
         }
 
 
@@ -143,9 +145,9 @@ def age_blob_rows(db: Database, digests: set[str] | None, column: str, by: dt.ti
     stamp = utcnow() - by
 
     def transaction(session: Any) -> None:
-        query = update(Blob).values({column: stamp})
+        query = update(BlobRow).values({column: stamp})
         if digests is not None:
-            query = query.where(Blob.digest.in_(sorted(digests)))
+            query = query.where(BlobRow.digest.in_(sorted(digests)))
         session.execute(query)
 
     db.write(transaction)
@@ -300,20 +302,20 @@ def test_only_one_gc_at_a_time(db: Database, store: LocalStore) -> None:
     # Released at the end of the block.
     assert report_counts(collect_garbage(db, store, grace=NOW)) == (0, 0, 0)
     with db.read() as session:
-        assert session.scalars(select(GcLease)).all() == []
+        assert session.scalars(select(GcLeaseRow)).all() == []
 
     # A lease whose holder died expires; the next GC takes it over.
     db.write(
         lambda s: s.add(
-            GcLease(id=1, holder="dead-host:1:0", expires_at=utcnow() - dt.timedelta(minutes=1))
+            GcLeaseRow(id=1, holder="dead-host:1:0", expires_at=utcnow() - dt.timedelta(minutes=1))
         )
     )
     collect_garbage(db, store, grace=NOW)
     with db.read() as session:
-        assert session.scalars(select(GcLease)).all() == []
+        assert session.scalars(select(GcLeaseRow)).all() == []
     # A live lease of another process (another host's GC) is respected.
     db.write(
-        lambda s: s.add(GcLease(id=1, holder="live-host:2:0", expires_at=utcnow() + LEASE_TTL))
+        lambda s: s.add(GcLeaseRow(id=1, holder="live-host:2:0", expires_at=utcnow() + LEASE_TTL))
     )
     with pytest.raises(GcBusyError, match="live-host"):
         collect_garbage(db, store, grace=NOW)
@@ -327,7 +329,7 @@ def test_two_gcs_starting_together_on_postgresql(pg_schema_url: str, store: Loca
 
     def first_gc_taking_the_lease(session: Any) -> None:
         # What gc_lease() does on an empty table, stopped between its INSERT and its COMMIT.
-        session.add(GcLease(id=1, holder="first-gc", expires_at=utcnow() + LEASE_TTL))
+        session.add(GcLeaseRow(id=1, holder="first-gc", expires_at=utcnow() + LEASE_TTL))
         session.flush()
         inserted.set()
         release.wait(30)

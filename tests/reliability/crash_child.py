@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ckptstore import RetentionPolicy, Run, ShardWriter, WriterOptions, open_run
+from ckptstore.checkpointer import commit as commit_module
 from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.errors import ObjectStoreError
 from ckptstore.manifest import Database
@@ -256,13 +257,13 @@ def install(switch: Switch, store: ObjectStore) -> None:
     q.record_components = _record_components
 
     # Inside the commit transaction: the run row is locked, blobs are about to be re-checked.
-    revalidate = Run._revalidate
+    check_objects = commit_module.check_objects
 
-    def _revalidate(self: Run, claims: Any, existing: Any) -> dict[str, int]:
+    def _check_objects(store: Any, digests: Any) -> Any:
         switch.hit("commit.revalidate")
-        return revalidate(self, claims, existing)
+        return check_objects(store, digests)
 
-    Run._revalidate = _revalidate  # type: ignore[method-assign]
+    commit_module.check_objects = _check_objects
 
     # Dedup: the manifest said a blob is already stored, so it is neither probed nor uploaded.
     is_live = Run._is_live_blob

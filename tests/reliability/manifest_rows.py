@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import func, select
 
 from ckptstore.checkpointer import Run
-from ckptstore.manifest.models import CheckpointBlob, Component
+from ckptstore.manifest.models import CheckpointBlobRow, ComponentRow
 
 
 def child_rows(run: Run, checkpoint_id: int) -> tuple[int, int]:
@@ -13,12 +13,12 @@ def child_rows(run: Run, checkpoint_id: int) -> tuple[int, int]:
     with run.db.read() as session:
         components = session.scalar(
             select(func.count())
-            .select_from(Component)
-            .where(Component.checkpoint_id == checkpoint_id)
+            .select_from(ComponentRow)
+            .where(ComponentRow.checkpoint_id == checkpoint_id)
         )
         refs = session.scalar(
             select(func.count())
-            .select_from(CheckpointBlob)
-            .where(CheckpointBlob.checkpoint_id == checkpoint_id)
+            .select_from(CheckpointBlobRow)
+            .where(CheckpointBlobRow.checkpoint_id == checkpoint_id)
         )
     return int(components or 0), int(refs or 0)

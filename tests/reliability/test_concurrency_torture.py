@@ -58,7 +58,7 @@ from ckptstore.cas import digest_from_key
 from ckptstore.errors import FencedError, SaveError
 from ckptstore.maintenance import collect_garbage, verify
 from ckptstore.manifest import Database
-from ckptstore.manifest.models import Blob, BlobState, Checkpoint, CheckpointBlob, Status
+from ckptstore.manifest.models import BlobRow, BlobState, CheckpointBlobRow, CheckpointRow, Status
 from ckptstore.objectstore import LocalStore, ObjectStore
 
 FAMILY = "concurrency"
@@ -125,12 +125,12 @@ def assert_store_exact(db_url: str, store: ObjectStore) -> int:
         with db.read() as session:
             needed = set(
                 session.scalars(
-                    select(CheckpointBlob.digest)
-                    .join(Checkpoint, Checkpoint.id == CheckpointBlob.checkpoint_id)
-                    .where(Checkpoint.status == Status.COMMITTED)
+                    select(CheckpointBlobRow.digest)
+                    .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+                    .where(CheckpointRow.status == Status.COMMITTED)
                 )
             )
-            rows = {b.digest: b for b in session.scalars(select(Blob))}
+            rows = {b.digest: b for b in session.scalars(select(BlobRow))}
         objects = cas_objects(store)
         assert set(rows) == needed, "every blob row is referenced by a committed checkpoint"
         assert set(objects) == needed, "every cas/ object has a row, and every row its object"
@@ -774,9 +774,9 @@ def test_gc_mark_racing_a_commit_leaves_its_blobs_live(
             assert differences(r.load().state, x) == []
         with db.read() as session:
             rows = session.execute(
-                select(Blob.digest, Blob.state)
-                .join(CheckpointBlob, CheckpointBlob.digest == Blob.digest)
-                .where(CheckpointBlob.checkpoint_id == info.id)
+                select(BlobRow.digest, BlobRow.state)
+                .join(CheckpointBlobRow, CheckpointBlobRow.digest == BlobRow.digest)
+                .where(CheckpointBlobRow.checkpoint_id == info.id)
             )
             states = dict(rows.all())
         assert len(states) == 2  # x's chunk and its index

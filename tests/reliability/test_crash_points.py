@@ -43,7 +43,7 @@ from sqlalchemy import select
 from ckptstore import open_run
 from ckptstore.cas.digest import digest_from_key
 from ckptstore.maintenance import collect_garbage, verify
-from ckptstore.manifest.models import Blob
+from ckptstore.manifest.models import BlobRow
 from ckptstore.objectstore import LocalStore, ObjectStore
 from ckptstore.objectstore.base import TMP_PREFIX
 
@@ -357,7 +357,7 @@ def load_exactly(run: Any, step: int, problems: Problems, what: str, big: bool) 
 def orphans(run: Any) -> list[str]:
     """Objects under cas/ that no blob row knows (GC with grace 0 must have removed them)."""
     with run.db.read() as session:
-        known = set(session.scalars(select(Blob.digest)))
+        known = set(session.scalars(select(BlobRow.digest)))
     return [
         info.key
         for info in run.store.list("cas/")

@@ -55,7 +55,7 @@ from ckptstore.checkpointer import Run, open_run
 from ckptstore.errors import DatabaseError, SaveError
 from ckptstore.maintenance import verify
 from ckptstore.manifest import Database
-from ckptstore.manifest.models import Blob
+from ckptstore.manifest.models import BlobRow
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize.compare import first_difference
 
@@ -255,7 +255,7 @@ def cut_and_retry(
 
 def _blob_rows(run: Run) -> int:
     with run.db.read() as session:
-        return int(session.scalar(select(func.count()).select_from(Blob)) or 0)
+        return int(session.scalar(select(func.count()).select_from(BlobRow)) or 0)
 
 
 def run_cut_rounds(

@@ -1,12 +1,13 @@
 """Hostile input (issue #6, family 6): a checkpoint from an untrusted bucket or writer, secrets in
 URLs and the environment, and misconfiguration a user will make.
 
-``tests/unit/test_hostile_index.py`` feeds crafted indexes to ``load_component``. Here the crafted
-index or blob is *committed*: a worker's receipt names it (``Run.save(receipts=[...])``, exactly
-what a hostile or buggy shard writer can do), or a stored object is swapped behind the store's
-back. Then every way a user touches it is tried -- ``Run.load`` of the step, resume, and the CLI
-(``show --entries``, ``export``, ``verify``) -- and each must give a clear error naming the
-problem, run no code, allocate nothing absurd, and write nothing outside its directory.
+``tests/serialize/test_hostile_index.py`` feeds crafted indexes to ``load_component``. Here the
+crafted index or blob is *committed*: a worker's receipt names it
+(``Run.save(receipts=[...])``, exactly what a hostile or buggy shard writer can do), or a stored
+object is swapped behind the store's back. Then every way a user touches it is tried --
+``Run.load`` of the step, resume, and the CLI (``show --entries``, ``export``, ``verify``) --
+and each must give a clear error naming the problem, run no code, allocate nothing absurd, and
+write nothing outside its directory.
 
 Secrets (an AWS secret key, credentials in an S3 endpoint URL, a PostgreSQL password) are run
 through saves, loads, failures and CLI commands; every log record (DEBUG, tracebacks included),
@@ -48,7 +49,9 @@ from sqlalchemy.engine import make_url
 from store_contract import FAST_RETRY, S3StoreFactory
 
 from ckptstore.cas import BlobRef, Kind, blob_key, put_blob
-from ckptstore.cas.header import MAX_RAW_LEN, Codec, Header, decode_header
+from ckptstore.cas.codec import BGZSTD, RAW, ZSTD
+from ckptstore.cas.codecs import Codec
+from ckptstore.cas.header import MAX_RAW_LEN, Header, decode_header
 from ckptstore.cas.writer import WriterOptions
 from ckptstore.checkpointer import CheckpointInfo, Run, open_run
 from ckptstore.checkpointer.shards import ShardReceipt
@@ -407,13 +410,13 @@ def sizeless_frame(data: bytes) -> bytes:
 
 
 IMPLAUSIBLE = {
-    "raw 2^40": lambda h: crafted(h, Codec.RAW, 1 << 40, b"x" * 64),
-    "zstd 2^40": lambda h: crafted(h, Codec.ZSTD, 1 << 40, sizeless_frame(b"x" * 64)),
+    "raw 2^40": lambda h: crafted(h, RAW, 1 << 40, b"x" * 64),
+    "zstd 2^40": lambda h: crafted(h, ZSTD, 1 << 40, sizeless_frame(b"x" * 64)),
     "byte-grouped 2^40": lambda h: crafted(
-        h, Codec.BGZSTD, 1 << 40, b"x" * 64, itemsize=2, params=struct.pack("<BQBQ", 0, 32, 0, 32)
+        h, BGZSTD, 1 << 40, b"x" * 64, itemsize=2, params=struct.pack("<BQBQ", 0, 32, 0, 32)
     ),
-    "raw 1 GiB over 64 bytes": lambda h: crafted(h, Codec.RAW, GiB, b"x" * 64),
-    "one byte past the limit": lambda h: crafted(h, Codec.ZSTD, MAX_RAW_LEN + 1, b"x" * 64),
+    "raw 1 GiB over 64 bytes": lambda h: crafted(h, RAW, GiB, b"x" * 64),
+    "one byte past the limit": lambda h: crafted(h, ZSTD, MAX_RAW_LEN + 1, b"x" * 64),
 }
 
 
@@ -463,18 +466,18 @@ def test_an_implausible_declared_length_is_refused_without_allocating(
 
 PLAUSIBLE_BUT_FALSE = {
     # A zstd frame without a content size: decompress() reserves the whole declared length.
-    "zstd, 1 GiB declared": lambda h: crafted(h, Codec.ZSTD, GiB, sizeless_frame(b"x" * 64)),
+    "zstd, 1 GiB declared": lambda h: crafted(h, ZSTD, GiB, sizeless_frame(b"x" * 64)),
     # Byte-grouping allocates the declared length for its planes up front.
     "byte-grouped, 1 GiB declared": lambda h: crafted(
         h,
-        Codec.BGZSTD,
+        BGZSTD,
         GiB,
         sizeless_frame(b"x" * 64),
-        params=struct.pack("<BQ", Codec.ZSTD, len(sizeless_frame(b"x" * 64))),
+        params=struct.pack("<BQ", ZSTD.id, len(sizeless_frame(b"x" * 64))),
     ),
     # A 8 KiB object that really inflates to 256 MiB of zeros, touched and hashed before the
     # digest says it is not the blob: 2 MiB of it would take 64 GiB.
-    "zstd bomb, 256 MiB": lambda h: crafted(h, Codec.ZSTD, 256 * MiB, zeros_frame(256 * MiB)),
+    "zstd bomb, 256 MiB": lambda h: crafted(h, ZSTD, 256 * MiB, zeros_frame(256 * MiB)),
 }
 
 
@@ -690,7 +693,16 @@ def test_export_refuses_component_names_that_leave_the_directory(
     escaped = rejected = 0
     try:
         with open_writer(sqlite_url, store) as run:
-            run.save(1, {"policy": weights(1), component: weights(2)})
+            run.save(1, {"policy": weights(1), "planted": weights(2)})
+        # save() refuses such names now (ckptstore/names.py); export must not trust the
+        # database either, so the name is planted there directly.
+        engine = create_engine(sqlite_url)
+        with engine.begin() as conn:
+            conn.execute(
+                text("UPDATE components SET name = :bad WHERE name = 'planted'"),
+                {"bad": component},
+            )
+        engine.dispose()
         before = files_under(tmp_path)
         for fmt in ("safetensors", "torch"):
             code, stdout, err = run_cli(
@@ -985,7 +997,9 @@ def test_an_aws_secret_key_never_leaks(
     try:
         store = seaweed_store_factory(endpoint_url=endpoint)  # credentials from the environment
         missing = S3Store("no-such-bucket-ckpt", "p", endpoint_url=endpoint, retry=FAST_RETRY)
-        unreachable = S3Store("b", "p", endpoint_url="http://127.0.0.1:1", retry=FAST_RETRY)
+        unreachable = S3Store(
+            "ckpt-unreachable", "p", endpoint_url="http://127.0.0.1:1", retry=FAST_RETRY
+        )
 
         def save_to(target: ObjectStore) -> None:
             with open_run("other", db=sqlite_url, store=target) as run:
@@ -1082,8 +1096,14 @@ def test_a_postgresql_password_never_leaks(
             [lambda u=u: open_run("r", db=u, store=store) for u in failing_urls],
         )
         base = ["--db", url, "--store", str(store.root)]
-        more = [["db", "current"], ["db", "upgrade"], ["sql", "SELECT * FROM no_such_table"]]
-        codes = scan_cli(scanner, capsys, base, *CLI_READS, *more)
+        # The test server's login is a superuser, which `sql` refuses without the flag.
+        reads = [[*c, "--allow-superuser"] if c[0] == "sql" else c for c in CLI_READS]
+        more = [
+            ["db", "current"],
+            ["db", "upgrade"],
+            ["sql", "--allow-superuser", "SELECT * FROM no_such_table"],
+        ]
+        codes = scan_cli(scanner, capsys, base, *reads, *more)
         assert codes == [0] * (len(codes) - 1) + [3]
         for bad in failing_urls:
             codes = scan_cli(scanner, capsys, ["--db", bad], ["runs"], ["db", "current"])
@@ -1240,6 +1260,7 @@ def make_case(
         )
     if name == "no such run":
         Database(db).close()
+        Path(store).mkdir()  # a reader needs an existing store; the run is what is missing
         return Case(
             ["--db", db, "ls", "nope"],
             lambda: open_run("nope", db=db, store=store, writable=False),

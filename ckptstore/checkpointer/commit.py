@@ -1,0 +1,253 @@
+"""The save protocol, from receipts to one committed row (DESIGN.md §7).
+
+A save is this sequence of calls; every participant sees only its own part:
+
+1. (the saving process) ``Run.save`` validates names, steps and kinds, takes the snapshot (the
+   only part that blocks training) and hands a :class:`SaveRequest` to the writer's queue.
+2. (background) :func:`run_save` inserts the ``pending`` row with the writer's epoch.
+3. (background, and in any worker holding shards) each component is chunked, hashed, deduplicated
+   against live blobs, compressed and uploaded; each yields a small ``ShardReceipt`` (component,
+   index digest, the blobs it references, byte counts). Workers never need database access;
+   they hand their receipts to the process that commits.
+4. (background) :func:`commit`: the receipts become blob claims and component rows, and one
+   transaction checks the writer epoch (``FencedError`` for a stale writer), checks in the store
+   every blob that is not a live row while holding the GC lock, records blobs, references and
+   components, flips the row to ``committed`` and supersedes an older save of the same step.
+5. (background) retention marks checkpoints ``deleted``; if the commit brought back blobs that
+   were condemned as damaged, the corrupt checkpoints that need them are re-verified
+   (checkpointer/repair.py).
+
+Any failure before the commit marks the row ``failed``; a commit whose answer was lost is
+trusted by its row, not by the error. Nothing uncommitted is ever visible to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.cas.digest import blob_key
+from ckptstore.cas.writer import BlobWriter
+from ckptstore.checkpointer.repair import recheck
+from ckptstore.checkpointer.retention import Candidate, RetentionPolicy, to_delete
+from ckptstore.checkpointer.shards import ShardReceipt
+from ckptstore.errors import FencedError, ObjectNotFoundError, SaveError
+from ckptstore.manifest import reads
+from ckptstore.manifest import transactions as tx
+from ckptstore.manifest.db import Database
+from ckptstore.manifest.records import BlobClaim, CheckpointInfo, ComponentInfo
+from ckptstore.objectstore import ObjectStore
+from ckptstore.serialize.save import write_flat
+
+log = logging.getLogger("ckptstore.checkpointer")
+
+
+@dataclass(slots=True)
+class SaveRequest:
+    """One save, as the snapshot left it for the background job."""
+
+    step: int
+    flats: dict[str, Any]
+    receipts: list[ShardReceipt]
+    training_info: dict[str, Any] | None
+    metrics: dict[str, Any] | None
+    trigger: str
+    started: float
+    blocked: float = 0.0
+    kinds: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Writer:
+    """Everything a save job of one run's writer needs."""
+
+    db: Database
+    store: ObjectStore
+    blobs: BlobWriter
+    run_id: int
+    name: str
+    epoch: int
+    retention: RetentionPolicy
+
+
+def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
+    """Steps 2-5 of the protocol for one request (runs on the writer's background thread)."""
+    checkpoint_id = tx.begin_checkpoint(
+        writer.db, writer.run_id, request.step, writer.epoch, request.trigger
+    )
+    try:
+        writer.blobs.forget()
+        receipts = [
+            ShardReceipt(name, write_flat(writer.blobs, flat), request.kinds.get(name, "state"))
+            for name, flat in request.flats.items()
+        ]
+        request.flats.clear()  # the snapshot's views are no longer needed
+        receipts.extend(request.receipts)
+        info, revived = commit(writer, checkpoint_id, request, receipts)
+    except Exception as exc:
+        # The answer to a COMMIT that took effect can be lost with the connection: trust the
+        # row, not the error, so the writer and resume always agree.
+        done = committed_despite(writer, checkpoint_id, exc)
+        if done is None:
+            mark_failed(writer.db, checkpoint_id, exc)
+            raise
+        info, revived = done, []
+    except BaseException as exc:
+        mark_failed(writer.db, checkpoint_id, exc)
+        raise
+    apply_retention(writer)
+    if revived:
+        repair(writer, revived)
+    return info
+
+
+def claims_of(receipts: Sequence[ShardReceipt]) -> dict[str, BlobClaim]:
+    """One claim per distinct blob; a blob both reused and uploaded counts as uploaded."""
+    claims: dict[str, BlobClaim] = {}
+    for receipt in receipts:
+        for ref in receipt.result.blobs:
+            claim = BlobClaim(
+                ref.digest,
+                ref.kind.name.lower(),
+                ref.logical_bytes,
+                ref.stored_bytes,
+                ref.codec,
+                ref.uploaded,
+            )
+            known = claims.get(ref.digest)
+            if known is None or (claim.uploaded and not known.uploaded):
+                claims[ref.digest] = claim
+    return claims
+
+
+def commit(
+    writer: Writer, checkpoint_id: int, request: SaveRequest, receipts: list[ShardReceipt]
+) -> tuple[CheckpointInfo, list[str]]:
+    """Step 4: the commit transaction. Returns the record and the digests it revived."""
+    claims = claims_of(receipts)
+    components = [
+        ComponentInfo(
+            r.component,
+            r.kind,
+            r.result.index_digest,
+            r.result.logical_bytes,
+            r.result.stored_bytes,
+            r.result.entries,
+        )
+        for r in receipts
+    ]
+    logical = sum(r.result.logical_bytes for r in receipts)
+    uploaded = sum(c.stored_bytes for c in claims.values() if c.uploaded)
+
+    def values(stored: int) -> dict[str, Any]:
+        return {
+            "training_info": request.training_info,
+            "metrics": request.metrics,
+            "logical_bytes": logical,
+            "stored_bytes": stored,
+            "uploaded_bytes": uploaded,
+            "save_seconds": time.perf_counter() - request.started,
+            "blocked_seconds": request.blocked,
+        }
+
+    revived = tx.commit_checkpoint(
+        writer.db,
+        run_id=writer.run_id,
+        epoch=writer.epoch,
+        checkpoint_id=checkpoint_id,
+        step=request.step,
+        claims=claims,
+        components=components,
+        values=values,
+        check_objects=lambda digests: check_objects(writer.store, digests),
+    )
+    info = reads.checkpoint(writer.db, checkpoint_id)
+    assert info is not None
+    return info, revived
+
+
+def check_objects(store: ObjectStore, digests: Sequence[str]) -> Mapping[str, int | None]:
+    """Inside the commit: every blob that is not a live row must exist in the store — also blobs
+    this save uploaded, since a save slower than the GC grace period could see them swept as
+    orphans before their rows exist. Returns the objects' sizes; raises SaveError if any is
+    missing."""
+    if not digests:
+        return {}
+    with ThreadPoolExecutor(min(16, len(digests))) as pool:
+        sizes = dict(zip(digests, pool.map(lambda d: _object_size(store, d), digests), strict=True))
+    missing = [d for d, size in sizes.items() if size is None]
+    if missing:
+        raise SaveError(
+            f"{len(missing)} blob(s) this checkpoint references are missing from "
+            f"{store.url}, e.g. {blob_key(missing[0])} (garbage-collected while the "
+            "save ran?); nothing was committed and the next save uploads them again"
+        )
+    return sizes
+
+
+def _object_size(store: ObjectStore, digest: str) -> int | None:
+    try:
+        return store.head(blob_key(digest)).size
+    except ObjectNotFoundError:
+        return None
+
+
+def committed_despite(writer: Writer, checkpoint_id: int, exc: Exception) -> CheckpointInfo | None:
+    """The record if the row is committed although the commit reported ``exc``, else None."""
+    try:
+        info = reads.checkpoint(writer.db, checkpoint_id)
+    except Exception:  # the database is still unreachable: report the original error
+        return None
+    if info is None or info.status != "committed":
+        return None
+    log.warning(
+        "checkpoint at step %d of run %r committed although the commit reported %r",
+        info.step,
+        writer.name,
+        exc,
+    )
+    return info
+
+
+def mark_failed(db: Database, checkpoint_id: int, exc: BaseException) -> None:
+    """Best effort: the row stays pending (which resume never sees) if this fails too."""
+    try:
+        tx.mark_failed(db, checkpoint_id, f"{type(exc).__name__}: {exc}")
+    except Exception:
+        log.exception("could not mark checkpoint %d as failed", checkpoint_id)
+
+
+def apply_retention(writer: Writer) -> None:
+    """Step 5: retention; a failure is logged and retried at the next save."""
+    policy = writer.retention
+    if policy.keep_top_k is None:
+        return
+
+    def choose(rows: list[CheckpointInfo]) -> set[int]:
+        return to_delete((Candidate(r.id, r.step, r.metrics) for r in rows), policy)
+
+    try:
+        doomed = tx.apply_retention(writer.db, writer.run_id, writer.epoch, choose)
+    except FencedError:
+        log.warning("run %r has a newer writer; this stale writer skips retention", writer.name)
+        return
+    except Exception:  # the checkpoint is committed; retention runs again next time
+        log.exception("retention failed for run %r; it will be retried", writer.name)
+        return
+    if doomed:
+        log.info("retention marked %d checkpoint(s) of %r deleted", len(doomed), writer.name)
+
+
+def repair(writer: Writer, revived: list[str]) -> None:
+    """This save stored good bytes for blobs that were condemned: corrupt checkpoints that
+    reference them may verify again (checkpointer/repair.py)."""
+    try:
+        ids = reads.corrupt_referencing(writer.db, revived)
+        if ids:
+            recheck(writer.db, writer.store, ids)
+    except Exception:  # the save itself is committed; `verify --recheck` can repeat this
+        log.exception("re-checking corrupt checkpoints of run %r failed", writer.name)
