@@ -1,77 +1,57 @@
 """``ckptstore``: look after a checkpoint store from the shell.
 
 Exit codes: 0 success, 1 a check found problems, 2 usage or configuration error, 3 a store,
-database or integrity error.
+database or integrity error; an error is one line on stderr, names and paths in it escaped.
+Only ``db upgrade`` creates a database; every other command opens the database and the store
+that exist and creates neither (a mistyped path is an error, exit 2). An exception of any
+other kind is a bug and is left to propagate.
+
+The subcommands are the modules listed in :data:`ckptstore.cli.commands.COMMANDS`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import NoReturn, cast
 
-from ckptstore.checkpointer.run import default_db
-from ckptstore.cli.commands import add_commands
+from ckptstore.cli.commands import COMMANDS
+from ckptstore.cli.context import CliContext
+from ckptstore.cli.exits import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import CkptStoreError, ConfigError
-from ckptstore.manifest.db import Database, head_revision, known_revisions, redact
+from ckptstore.names import printable
 
-EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, EXIT_ERROR = 0, 1, 2, 3
-
-
-def _db(args: argparse.Namespace, *, check_schema: bool = True) -> Database:
-    return Database(args.db or default_db(), check_schema=check_schema)
-
-
-def _emit(args: argparse.Namespace, payload: dict[str, Any], text: str) -> None:
-    print(json.dumps(payload, default=str) if args.json else text)
-
-
-def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    database = _db(args, check_schema=False)
-    try:
-        before, after = database.upgrade(args.revision)
-    finally:
-        database.close()
-    changed = before != after
-    _emit(
-        args,
-        {"db": redact(database.url), "from": before, "to": after, "changed": changed},
-        f"{redact(database.url)}: {before or 'empty'} -> {after}"
-        if changed
-        else f"{redact(database.url)}: already at {after}",
-    )
-    return EXIT_OK
+__all__ = [
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_PROBLEMS",
+    "EXIT_USAGE",
+    "build_parser",
+    "error_line",
+    "main",
+]
 
 
-def cmd_db_current(args: argparse.Namespace) -> int:
-    database = _db(args, check_schema=False)
-    try:
-        current = database.current_revision()
-    finally:
-        database.close()
-    head = head_revision()
-    hint = ""
-    if current == head:
-        state = "up to date"
-    elif current is None:
-        state = "empty"
-    elif current in known_revisions():
-        state, hint = "out of date", "; run `ckptstore db upgrade`"
-    else:
-        state, hint = "newer", " than this ckptstore; upgrade ckptstore"
-    _emit(
-        args,
-        {"db": redact(database.url), "current": current, "head": head, "state": state},
-        f"{redact(database.url)}: revision {current or '-'} (head {head}, {state}{hint})",
-    )
-    return EXIT_OK if current == head else EXIT_PROBLEMS
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error never echoes control characters from the command line."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(error_line(message))
+
+
+def error_line(message: object) -> str:
+    """``message`` on one line, control and invisible characters escaped (an error may echo
+    a name or path from the command line, the database or a driver)."""
+    text = " ".join(str(message).splitlines())
+    return text if text.isprintable() else printable(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    """The ``ckptstore`` parser: the global options and every registered command."""
+    parser = _Parser(
         prog="ckptstore",
         description="Inspect and maintain a ckptstore checkpoint store.",
         epilog="The database and store default to $CKPTSTORE_DB / $CKPTSTORE_STORE, else "
@@ -81,43 +61,41 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--store", help="object store URL or directory")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # --json is accepted before or after the subcommand.
-    common = argparse.ArgumentParser(add_help=False)
+    # Its parsers are _Parser too (argparse makes them of the parent's class).
+    sub = cast(Subparsers, parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    # --json, --db and --store are accepted before or after the subcommand.
+    common = _Parser(add_help=False)
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
-    parents = [common]
-
-    db = sub.add_parser("db", help="manage the manifest database schema")
-    db_sub = db.add_subparsers(dest="db_command", required=True, metavar="ACTION")
-    up = db_sub.add_parser(
-        "upgrade", parents=parents, help="migrate the database to the newest schema"
-    )
-    up.add_argument("revision", nargs="?", default="head", help="target revision (default head)")
-    up.set_defaults(func=cmd_db_upgrade)
-    cur = db_sub.add_parser(
-        "current", parents=parents, help="show the schema revision (exit 1 if not at head)"
-    )
-    cur.set_defaults(func=cmd_db_current)
-    add_commands(sub, parents)
+    common.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--store", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for command in COMMANDS:
+        command.register(sub, [common]).set_defaults(handler=command.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ckptstore ARGV``; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    for key, value in vars(args).items():
+        # Python 3.11's argparse turns an attached "--" (`--sample=--`, `-o--`) into [] and
+        # skips the option's type; no option here takes a list.
+        if isinstance(value, list):
+            parser.error(f"argument --{key.replace('_', '-')}: expected one argument")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
-        return int(args.func(args))
+        with CliContext(args) as ctx:
+            return int(args.handler(args, ctx))
     except ConfigError as exc:
-        print(f"ckptstore: error: {exc}", file=sys.stderr)
+        print(f"ckptstore: error: {error_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except (CkptStoreError, KeyError) as exc:
-        print(f"ckptstore: error: {exc}", file=sys.stderr)
+        print(f"ckptstore: error: {error_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # e.g. piped into head
         return EXIT_OK

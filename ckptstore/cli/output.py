@@ -1,15 +1,76 @@
-"""Tables for people, JSON for scripts, progress bars on stderr."""
+"""Tables for people, JSON for scripts, progress bars on stderr.
+
+Every command prints through :func:`emit`: with ``--json`` the payload's records as
+``dataclasses.asdict`` gives them (so a field added to a record appears there at once), else
+the command's text, or a table of the columns it declares.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
+
+from ckptstore.names import printable
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    """A table column: its heading, the record field it shows and how (default: as it is)."""
+
+    head: str
+    field: str
+    format: Callable[[Any], Any] | None = None
+
+    def value(self, record: Any) -> Any:
+        """What this column shows for ``record``."""
+        value = getattr(record, self.field)
+        return value if self.format is None else self.format(value)
+
+
+def emit(
+    args: argparse.Namespace,
+    payload: Any,
+    *,
+    columns: Sequence[Column] = (),
+    empty: str = "",
+    text: str | None = None,
+    as_json: bool = False,
+) -> None:
+    """Print ``payload`` (a record, a list of records or a dict of them) as JSON with
+    ``--json`` (or ``as_json``); else ``text`` if given, else a table of ``columns`` over the
+    records (``empty`` when there are none)."""
+    if args.json or as_json:
+        print(dumps(jsonable(payload)))
+    elif text is not None:
+        print(text)
+    else:
+        print(render(payload, columns) if payload else empty)
+
+
+def jsonable(payload: Any) -> Any:
+    """``payload`` with every dataclass as a dict of its fields (nested records included)."""
+    if dataclasses.is_dataclass(payload) and not isinstance(payload, type):
+        return dataclasses.asdict(payload)
+    if isinstance(payload, Mapping):
+        return {key: jsonable(value) for key, value in payload.items()}
+    if isinstance(payload, list | tuple):
+        return [jsonable(value) for value in payload]
+    return payload
+
+
+def render(records: Sequence[Any], columns: Sequence[Column]) -> str:
+    """A table with one row per record and the given columns."""
+    return table([c.head for c in columns], [[c.value(r) for c in columns] for r in records])
 
 
 def human_bytes(n: float | None) -> str:
+    """``n`` bytes in B, KiB, MiB, GiB or TiB; ``-`` for None."""
     if n is None:
         return "-"
     value = float(n)
@@ -21,20 +82,31 @@ def human_bytes(n: float | None) -> str:
 
 
 def ratio(x: float | None) -> str:
+    """``x`` as a ratio (``2.50x``); ``-`` for None."""
     return "-" if x is None else f"{x:.2f}x"
 
 
 def cell(value: Any) -> str:
+    """``value`` as a table shows it; text from the manifest (run, component and metric
+    names, keys) is escaped so that it cannot drive the terminal."""
     if value is None:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict | list):
         return json.dumps(value, separators=(",", ":"), default=str)
-    return str(value)
+    return printable(value)
+
+
+def quoted(name: object) -> str:
+    """``'name'``, escaped for a terminal, for messages."""
+    return f"'{printable(name)}'"
 
 
 def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns under a heading and a rule; every cell through :func:`cell`
+    (headings too: ``sql`` takes them from the query)."""
+    columns = [printable(c) for c in columns]
     text = [[cell(v) for v in row] for row in rows]
     widths = [max([len(c)] + [len(r[i]) for r in text]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
@@ -44,6 +116,7 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def dumps(payload: Any) -> str:
+    """``payload`` as one line of JSON (times and other values as strings)."""
     return json.dumps(payload, default=str, allow_nan=True)
 
 
@@ -51,6 +124,7 @@ class Bar:
     """A tqdm progress bar on stderr when it is a terminal; silent otherwise."""
 
     def __init__(self, total: int | None, desc: str, unit: str, enabled: bool) -> None:
+        """A bar of ``total`` ``unit``s (None: unknown), shown only if ``enabled``."""
         self._bar: Any = None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
@@ -58,16 +132,19 @@ class Bar:
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
 
     def update(self, n: int = 1) -> None:
+        """Advance by ``n``."""
         if self._bar is not None:
             self._bar.update(n)
 
     def close(self) -> None:
+        """Take the bar off the terminal."""
         if self._bar is not None:
             self._bar.close()
 
 
 @contextmanager
 def progress(total: int | None, desc: str, unit: str, enabled: bool) -> Iterator[Bar]:
+    """A :class:`Bar` for the duration of the block."""
     bar = Bar(total, desc, unit, enabled)
     try:
         yield bar

@@ -1,0 +1,93 @@
+"""``ckptstore gc``: delete blobs that no checkpoint needs (mark, then sweep after a grace)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from collections.abc import Sequence
+
+from ckptstore.cli.context import CliContext
+from ckptstore.cli.exits import EXIT_OK
+from ckptstore.cli.output import emit, human_bytes, progress
+from ckptstore.cli.protocol import Subparsers
+from ckptstore.durations import parse_duration
+from ckptstore.errors import ConfigError
+from ckptstore.maintenance import GcReport, collect_garbage
+from ckptstore.maintenance.gc import DEFAULT_GRACE
+
+
+def register(
+    sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
+) -> argparse.ArgumentParser:
+    """``gc [--dry-run] [--grace G] [--release-corrupt]``."""
+    parser = sub.add_parser(
+        "gc", parents=parents, help="delete blobs no committed checkpoint needs (mark and sweep)"
+    )
+    parser.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
+    parser.add_argument(
+        "--grace",
+        type=_grace,
+        default=DEFAULT_GRACE,
+        help=f"leave blobs claimed or condemned within this long (default "
+        f"{int(DEFAULT_GRACE.total_seconds() // 3600)}h; e.g. 30s, 15m, 2d, DD:HH:MM:SS)",
+    )
+    parser.add_argument(
+        "--release-corrupt",
+        action="store_true",
+        help="let blobs that only corrupt checkpoints hold be collected too (by default they "
+        "are kept, as `ckptstore verify --recheck` or the next save may repair them)",
+    )
+    return parser
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    """Collect garbage (or count it, ``--dry-run``) and report each phase."""
+    with progress(None, "gc", "blob", not args.json) as bar:
+        report = collect_garbage(
+            ctx.db,
+            ctx.store,
+            grace=args.grace,
+            dry_run=args.dry_run,
+            release_corrupt=args.release_corrupt,
+            progress=lambda _phase, n: bar.update(n),
+        )
+    emit(args, report, text=_text(report, args.grace))
+    return EXIT_OK
+
+
+def _text(report: GcReport, grace: dt.timedelta) -> str:
+    verb = "would" if report.dry_run else "did"
+    lines = [
+        f"gc ({'dry run, ' if report.dry_run else ''}grace {grace}):",
+        f"  condemn   {report.condemned:6d} blobs  {human_bytes(report.condemned_bytes)}"
+        f"  ({verb} mark unreferenced blobs)",
+        f"  delete    {report.swept:6d} blobs  {human_bytes(report.swept_bytes)}"
+        "  (condemned for longer than the grace)",
+        f"  orphans   {report.orphans:6d} objs   {human_bytes(report.orphan_bytes)}"
+        "  (objects without a row, older than the grace)",
+        f"  unfinished {report.incomplete:5d} writes {human_bytes(report.incomplete_bytes)}"
+        "  (temporary files, multipart uploads of writers that died, older than the grace)",
+    ]
+    if report.kept_for_corrupt and not report.release_corrupt:
+        lines.append(
+            f"  kept      {report.kept_for_corrupt:6d} blobs  "
+            f"{human_bytes(report.kept_for_corrupt_bytes)}  for {report.corrupt_checkpoints} "
+            "corrupt checkpoint(s) (repairable; `ckptstore verify --recheck`, or "
+            "--release-corrupt to let them go)"
+        )
+    elif report.kept_for_corrupt:
+        lines.append(
+            f"  released  {report.kept_for_corrupt:6d} blobs  "
+            f"{human_bytes(report.kept_for_corrupt_bytes)}  of {report.corrupt_checkpoints} "
+            "corrupt checkpoint(s) (--release-corrupt: no longer kept for repair)"
+        )
+    return "\n".join(lines)
+
+
+def _grace(text: str) -> dt.timedelta:
+    """``--grace``: 30s, 15m, 6h, 2d, seconds or DD:HH:MM:SS, up to 3650 days."""
+    try:
+        return dt.timedelta(seconds=parse_duration(text, what="grace"))
+    except ConfigError as exc:
+        negative = "; a grace must not be negative" if text.lstrip().startswith("-") else ""
+        raise argparse.ArgumentTypeError(f"{exc}{negative}") from None

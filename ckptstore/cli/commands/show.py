@@ -1,0 +1,105 @@
+"""``ckptstore show RUN[@STEP]``: one checkpoint, its components and (``--entries``) entries."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from ckptstore.cli.args import parse_target
+from ckptstore.cli.context import CliContext
+from ckptstore.cli.exits import EXIT_OK
+from ckptstore.cli.output import Column, cell, emit, human_bytes, render, table
+from ckptstore.cli.protocol import Subparsers
+from ckptstore.manifest import reads
+from ckptstore.manifest.records import CheckpointInfo, as_dict, field_names
+from ckptstore.names import printable
+from ckptstore.objectstore import ObjectStore
+from ckptstore.serialize.reader import ComponentReader
+
+COMPONENT_COLUMNS = (
+    Column("component", "name"),
+    Column("kind", "kind"),
+    Column("entries", "entries"),
+    Column("logical", "logical_bytes", human_bytes),
+    Column("stored", "stored_bytes", human_bytes),
+    Column("index", "index_digest"),
+)
+#: Fields the text shows in a line of their own (bytes, timing) or as a table (components);
+#: every other field of the record is a "name: value" line, so a new one is shown too.
+_SUMMARISED = {
+    "components",
+    "logical_bytes",
+    "stored_bytes",
+    "uploaded_bytes",
+    "save_seconds",
+    "blocked_seconds",
+}
+
+
+def register(
+    sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
+) -> argparse.ArgumentParser:
+    """``show RUN[@STEP] [--entries]``."""
+    parser = sub.add_parser(
+        "show", parents=parents, help="one checkpoint (RUN or RUN@STEP) with its components"
+    )
+    parser.add_argument("target", metavar="RUN[@STEP]")
+    parser.add_argument(
+        "--entries", action="store_true", help="also list every entry (reads indexes)"
+    )
+    return parser
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    """Show the checkpoint (RUN: the newest committed one); JSON has every field."""
+    name, step = parse_target(args.target)
+    info = reads.checkpoint_or_latest(ctx.db, name, step)
+    entries = _entries(ctx.store, info) if args.entries else {}
+    payload = as_dict(info) | ({"entries": entries} if args.entries else {})
+    emit(args, payload, text=_text(info, entries))
+    return EXIT_OK
+
+
+def _entries(store: ObjectStore, info: CheckpointInfo) -> dict[str, list[dict[str, Any]]]:
+    """Component name -> its entries, from each component's index."""
+    found = {}
+    for comp in info.components:
+        found[comp.name] = [
+            {
+                "path": e.path,
+                "kind": e.kind,
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "nbytes": e.nbytes,
+                **({} if e.is_array else {"value": e.value}),
+            }
+            for e in ComponentReader(store, comp.index_digest).entries
+        ]
+    return found
+
+
+def _text(info: CheckpointInfo, entries: dict[str, list[dict[str, Any]]]) -> str:
+    lines = [
+        f"{name:>14}: {cell(getattr(info, name))}"
+        for name in field_names(CheckpointInfo)
+        if name not in _SUMMARISED
+    ]
+    lines.append(
+        f"{'bytes':>14}: {human_bytes(info.logical_bytes)} logical, "
+        f"{human_bytes(info.stored_bytes)} stored, {human_bytes(info.uploaded_bytes)} uploaded"
+    )
+    lines.append(
+        f"{'timing':>14}: save {info.save_seconds or 0:.3f}s, "
+        f"training blocked {info.blocked_seconds or 0:.3f}s"
+    )
+    lines += ["", render(info.components, COMPONENT_COLUMNS)]
+    for comp_name, items in entries.items():
+        lines += [f"\n{printable(comp_name)}:"]
+        lines.append(
+            table(
+                ["path", "kind", "dtype", "shape", "bytes"],
+                [(e["path"], e["kind"], e["dtype"] or "-", e["shape"], e["nbytes"]) for e in items],
+            )
+        )
+    return "\n".join(lines)
