@@ -1,6 +1,6 @@
-"""The main job until the trainer lands: a small transformer trains for a few steps and
-checkpoints each one through ckptstore; re-running resumes from the newest committed
-checkpoint, which is checked bit for bit against what was saved.
+"""The plain-state-dict example (`python -m ckptstore.demo`): a small transformer trains for a
+few steps and checkpoints each one through ckptstore; re-running resumes from the newest
+committed checkpoint, which is checked bit for bit against what was saved.
 
 Run with ``python -m ckptstore.demo [--db PATH] [--store DIR] [--steps N]``; the defaults are
 the embedded store under ``./.ckptstore/``.

@@ -110,7 +110,8 @@ def parse_target(text: str, *, what: str = "target") -> tuple[str, int | None]:
         return text, None
     if not name or not _STEP_DIGITS.fullmatch(step) or int(step) > MAX_STEP:
         raise ConfigError(
-            f"{what} {printable(text)!r}: use RUN or RUN@STEP, STEP a number from 0 to 2**63-1"
+            f"{what} {printable(text)!r}: use RUN or RUN@STEP (STEP a whole number from 0 to "
+            f"{MAX_STEP})"
         )
     return name, int(step)
 

@@ -118,6 +118,14 @@ def decode_object(
     return header, raw
 
 
+def keep_ref(refs: dict[str, BlobRef], ref: BlobRef) -> None:
+    """Record ``ref`` under its digest; a ref that uploaded the object wins over one that
+    found it stored, so a save counts the bytes it wrote exactly once, as uploaded."""
+    known = refs.get(ref.digest)
+    if known is None or (ref.uploaded and not known.uploaded):
+        refs[ref.digest] = ref
+
+
 def quarantine_blob(store: ObjectStore, digest: str, *, now: float | None = None) -> bool:
     """Move a damaged blob to ``quarantine/`` so a later save can store good bytes under its key
     (keys are never overwritten); the damaged copy stays for inspection. False if absent."""

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptstore.cas.blobs import BlobRef, keep_ref
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.writer import BlobWriter
 from ckptstore.checkpointer.repair import recheck
@@ -107,21 +108,21 @@ def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
 
 def claims_of(receipts: Sequence[ShardReceipt]) -> dict[str, BlobClaim]:
     """One claim per distinct blob; a blob both reused and uploaded counts as uploaded."""
-    claims: dict[str, BlobClaim] = {}
+    refs: dict[str, BlobRef] = {}
     for receipt in receipts:
         for ref in receipt.result.blobs:
-            claim = BlobClaim(
-                ref.digest,
-                ref.kind.name.lower(),
-                ref.logical_bytes,
-                ref.stored_bytes,
-                ref.codec,
-                ref.uploaded,
-            )
-            known = claims.get(ref.digest)
-            if known is None or (claim.uploaded and not known.uploaded):
-                claims[ref.digest] = claim
-    return claims
+            keep_ref(refs, ref)
+    return {
+        digest: BlobClaim(
+            digest,
+            ref.kind.name.lower(),
+            ref.logical_bytes,
+            ref.stored_bytes,
+            ref.codec,
+            ref.uploaded,
+        )
+        for digest, ref in refs.items()
+    }
 
 
 def commit(

@@ -138,11 +138,20 @@ def check_store_holds(reader: Reader, info: CheckpointInfo, exc: MissingBlobErro
     others = list(dict.fromkeys(d for d in others if d != exc.digest))
     if not others or any(reader.store.exists(blob_key(d)) for d in others):
         return
-    raise StoreNotFoundError(
+    raise wrong_store(
+        reader.store,
         f"{exc}; none of the other {len(others)} blobs of run {reader.name!r} step {info.step} "
-        f"that were looked for exist in {reader.store.url} either. Is the store URL right "
-        "(--store, CKPTSTORE_STORE, the bucket and prefix)? Nothing was marked corrupt."
+        "that were looked for exist there either",
     ) from exc
+
+
+def wrong_store(store: ObjectStore, finding: str) -> StoreNotFoundError:
+    """The one verdict for "the store URL is probably wrong" (load and verify): ``finding``
+    says what was missing; nothing is marked corrupt because of it."""
+    return StoreNotFoundError(
+        f"{finding} ({store.url}). Is the store URL right (--store, CKPTSTORE_STORE, the bucket "
+        "and prefix)? Nothing was marked corrupt."
+    )
 
 
 def mark_corrupt(reader: Reader, info: CheckpointInfo, exc: IntegrityError) -> None:

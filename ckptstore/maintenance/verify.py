@@ -13,11 +13,11 @@ from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
 from ckptstore.checkpointer.repair import check_blob
 from ckptstore.checkpointer.repair import recheck as recheck_checkpoints
+from ckptstore.checkpointer.restore import wrong_store
 from ckptstore.errors import (
     CkptStoreError,
     IntegrityError,
     SerializationError,
-    StoreNotFoundError,
 )
 from ckptstore.manifest import reads
 from ckptstore.manifest import transactions as tx
@@ -149,10 +149,7 @@ def verify(
                 to_mark.append((target, bad[0][1], [d for d, _ in bad]))
     seen = list(verdicts.values())
     if len(seen) >= 2 and all(v is not None and v[0] == "missing" for v in seen):
-        raise StoreNotFoundError(
-            f"none of the {len(seen)} blobs checked exist in {store.url}: is the store URL "
-            "right (--store, CKPTSTORE_STORE, the bucket and prefix)? Nothing was marked corrupt."
-        )
+        raise wrong_store(store, f"none of the {len(seen)} blobs checked exist in the store")
     for target, verdict, digests in to_mark:
         _mark_corrupt(db, store, target, verdict, digests)
     return report

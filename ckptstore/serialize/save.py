@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ckptstore.cas.blobs import BlobRef
+from ckptstore.cas.blobs import BlobRef, keep_ref
 from ckptstore.cas.header import Kind
 from ckptstore.cas.pack import PackBuilder
 from ckptstore.cas.writer import BlobWriter
@@ -142,8 +142,7 @@ def write_flat(writer: BlobWriter, flat: FlatState) -> ComponentResult:
         resolved = []
         for future, offset, length in segs:
             ref = future.result()
-            if ref.digest not in refs or ref.uploaded:
-                refs[ref.digest] = ref
+            keep_ref(refs, ref)
             resolved.append(Segment(ref.digest, offset, length))
         entries.append(_entry(leaf, tuple(resolved)))
     index = ComponentIndex(tree=tree, entries=tuple(entries))
