@@ -7,7 +7,7 @@ from ckptstore.checkpointer.open import config_fingerprint, open_run, run_info
 from ckptstore.checkpointer.restore import LoadedCheckpoint
 from ckptstore.checkpointer.retention import RetentionPolicy
 from ckptstore.checkpointer.run import Run
-from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
+from ckptstore.checkpointer.shards import ShardReceipt, ShardSave, ShardWriter
 from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "RunInfo",
     "SaveHandle",
     "ShardReceipt",
+    "ShardSave",
     "ShardWriter",
     "config_fingerprint",
     "open_run",

@@ -57,9 +57,14 @@ class SaveRequest:
     training_info: dict[str, Any] | None
     metrics: dict[str, Any] | None
     trigger: str
-    started: float
+    #: Wall-clock time (``time.time()``) the save began: the earliest of the ``Run.save`` call
+    #: and the caller's ``started_at``; receipts may start earlier still (see ``save_seconds``).
+    started_at: float
+    #: The longest any participant was blocked for this save (see ``Run.save``).
     blocked: float = 0.0
     kinds: dict[str, str] = field(default_factory=dict)
+    #: Components whose content must differ from the previous committed checkpoint's.
+    expect_changed: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +148,18 @@ def commit(
     ]
     logical = sum(r.result.logical_bytes for r in receipts)
     uploaded = sum(c.stored_bytes for c in claims.values() if c.uploaded)
+    training_info = flag_stale(request.training_info, stale_components(writer, request, receipts))
+    started_at = save_started_at(request, receipts)
 
     def values(stored: int) -> dict[str, Any]:
         return {
-            "training_info": request.training_info,
+            "training_info": training_info,
             "metrics": request.metrics,
             "logical_bytes": logical,
             "stored_bytes": stored,
             "uploaded_bytes": uploaded,
-            "save_seconds": time.perf_counter() - request.started,
+            # Wall clock: receipts' instants come from other processes (workers).
+            "save_seconds": max(0.0, time.time() - started_at),
             "blocked_seconds": request.blocked,
         }
 
@@ -169,6 +177,47 @@ def commit(
     info = reads.checkpoint(writer.db, checkpoint_id)
     assert info is not None
     return info, revived
+
+
+def save_started_at(request: SaveRequest, receipts: Sequence[ShardReceipt]) -> float:
+    """When the save began: the earliest of the request's and every receipt's start."""
+    starts = [r.started_at for r in receipts if r.started_at is not None]
+    return min([request.started_at, *starts])
+
+
+def stale_components(
+    writer: Writer, request: SaveRequest, receipts: Sequence[ShardReceipt]
+) -> list[str]:
+    """The ``expect_changed`` components whose content equals the previous committed
+    checkpoint's (same index digest): a writer that saved stale state. Each is logged loudly."""
+    if not request.expect_changed:
+        return []
+    previous = reads.newest_committed(
+        writer.db, (writer.run_id, writer.name), before_step=request.step
+    )
+    if previous is None:
+        return []
+    before = {c.name: c.index_digest for c in previous.components}
+    digests = {r.component: r.result.index_digest for r in receipts}
+    stale = [n for n in request.expect_changed if before.get(n) == digests[n]]
+    for name in stale:
+        log.warning(
+            "STALE CHECKPOINT: run %r step %d: component %r is identical to the one saved at "
+            "step %d although it was expected to change; the saving process may hold stale "
+            "state (recorded as training_info['stale_components'])",
+            writer.name,
+            request.step,
+            name,
+            previous.step,
+        )
+    return stale
+
+
+def flag_stale(training_info: dict[str, Any] | None, stale: list[str]) -> dict[str, Any] | None:
+    """``training_info`` with ``stale_components`` added when any component is stale."""
+    if not stale:
+        return training_info
+    return {**(training_info or {}), "stale_components": stale}
 
 
 def check_objects(store: ObjectStore, digests: Sequence[str]) -> Mapping[str, int | None]:
@@ -229,7 +278,7 @@ def apply_retention(writer: Writer) -> None:
         return
 
     def choose(rows: list[CheckpointInfo]) -> set[int]:
-        return to_delete((Candidate(r.id, r.step, r.metrics) for r in rows), policy)
+        return to_delete((Candidate(r.id, r.step, r.metrics, r.trigger) for r in rows), policy)
 
     try:
         doomed = tx.apply_retention(writer.db, writer.run_id, writer.epoch, choose)

@@ -6,6 +6,7 @@ protocol (``commit.py``), the one-save-in-flight queue (``handle.py``) and loadi
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
@@ -77,13 +78,28 @@ class Run:
         metrics: Mapping[str, Any] | None = None,
         trigger: str = Trigger.MANUAL,
         kinds: Mapping[str, str] | None = None,
+        started_at: float | None = None,
+        blocked_seconds: float = 0.0,
+        expect_changed: Iterable[str] = (),
     ) -> SaveHandle:
         """Checkpoint ``components`` (name -> state) and workers' ``receipts`` at ``step``.
 
         Returns once the state is snapshotted; the upload and the commit run in the background
         (or before returning if the run was opened with ``async_save=False``). A previous save
         that failed raises its error here, before anything new starts.
+
+        Timings recorded in the checkpoint's row (and ``SaveHandle.blocked_seconds``):
+        ``blocked_seconds`` is the longest any participant was blocked -- this call plus the
+        ``blocked_seconds`` argument (time the caller already spent blocked for this save
+        elsewhere, e.g. asking workers to snapshot), or a receipt's own blocked time if longer.
+        ``save_seconds`` runs from the earliest of this call, ``started_at`` (a ``time.time()``
+        instant) and every receipt's ``started_at``, to the commit.
+
+        ``expect_changed`` names components that must differ from the previous committed
+        checkpoint: one that did not is logged as a warning and listed in the committed row's
+        ``training_info["stale_components"]`` (a guard against saving stale weights).
         """
+        call_started_at = time.time()
         started = time.perf_counter()
         writer = self._writer()
         check_step(step)
@@ -91,15 +107,9 @@ class Run:
             raise ConfigError(f"trigger={trigger!r} is not one of {[t.value for t in Trigger]}")
         components = dict(components or {})
         receipts = list(receipts)
-        names = [*components, *(r.component for r in receipts)]
-        for name in names:
-            check_component_name(name)
-        for kind in [*(kinds or {}).values(), *(r.kind for r in receipts)]:
-            check_kind(kind)
-        if len(set(names)) != len(names):
-            raise ConfigError(f"component names must be unique within a save: {names}")
-        if not names:
-            raise ConfigError("a checkpoint needs at least one component or receipt")
+        names = check_save_names(components, receipts, kinds)
+        changed = check_expect_changed(expect_changed, names)
+        check_timings(started_at, blocked_seconds)
         self._queue.wait_previous()
         request = commit.SaveRequest(
             step=step,
@@ -108,10 +118,12 @@ class Run:
             training_info=plain_json(training_info, "training_info"),
             metrics=plain_json(metrics, "metrics"),
             trigger=str(trigger),
-            started=started,
+            started_at=call_started_at if started_at is None else min(call_started_at, started_at),
             kinds=dict(kinds or {}),
+            expect_changed=changed,
         )
-        request.blocked = time.perf_counter() - started
+        own = time.perf_counter() - started + blocked_seconds
+        request.blocked = max([own, *(r.blocked_seconds for r in receipts)])
         handle = self._queue.submit(step, lambda: commit.run_save(writer, request), request.blocked)
         if not self.async_save:
             handle.wait()
@@ -199,3 +211,46 @@ class Run:
             exc.add_note(f"ckptstore: the pending checkpoint save also failed: {flush_error!r}")
             if flush_error.__cause__ is not None:
                 exc.add_note(f"ckptstore: caused by {flush_error.__cause__!r}")
+
+
+def check_save_names(
+    components: Mapping[str, Any],
+    receipts: Sequence[ShardReceipt],
+    kinds: Mapping[str, str] | None,
+) -> list[str]:
+    """The component names of one save, checked: valid, unique, at least one; kinds valid."""
+    names = [*components, *(r.component for r in receipts)]
+    for name in names:
+        check_component_name(name)
+    for kind in [*(kinds or {}).values(), *(r.kind for r in receipts)]:
+        check_kind(kind)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"component names must be unique within a save: {names}")
+    if not names:
+        raise ConfigError("a checkpoint needs at least one component or receipt")
+    return names
+
+
+def check_expect_changed(expect_changed: Iterable[str], names: Sequence[str]) -> tuple[str, ...]:
+    """``expect_changed`` as a tuple; each must name a component of this save."""
+    if isinstance(expect_changed, str):
+        raise ConfigError(
+            f"expect_changed={expect_changed!r} must be a collection of component names, "
+            f"e.g. [{expect_changed!r}], not one string"
+        )
+    changed = tuple(dict.fromkeys(expect_changed))
+    absent = [n for n in changed if n not in names]
+    if absent:
+        raise ConfigError(
+            f"expect_changed names {absent}, which this save does not contain; "
+            f"its components are {names}"
+        )
+    return changed
+
+
+def check_timings(started_at: float | None, blocked_seconds: float) -> None:
+    """``started_at`` (a ``time.time()`` instant) and ``blocked_seconds`` are usable."""
+    if started_at is not None and not math.isfinite(started_at):
+        raise ConfigError(f"started_at={started_at!r} must be a time.time() value")
+    if not (math.isfinite(blocked_seconds) and blocked_seconds >= 0):
+        raise ConfigError(f"blocked_seconds={blocked_seconds!r} must be a finite number >= 0")

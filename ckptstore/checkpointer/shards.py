@@ -1,20 +1,42 @@
-"""Worker-side saving: processes that hold shards store them and hand back a receipt.
+"""Worker-side saving: processes that hold shards store them and hand back receipts.
 
 A :class:`ShardWriter` needs only the object store, never database write access, so it works
 inside a Ray actor, a torch rank or a multiprocessing child. The controller commits the
 receipts of one step in a single transaction (``Run.save(..., receipts=[...])``), where every
 blob a receipt names is checked again against the store.
+
+A worker saves one of two ways:
+
+- ``write(component, state)`` stores one component and returns its receipt; the caller is
+  blocked (and must not mutate ``state``) until the upload is done.
+- ``save({component: state, ...})`` blocks only for the snapshot -- a copy into host buffers
+  that are reused from save to save -- and returns a :class:`ShardSave`; encoding, hashing and
+  uploading run on a background thread. The caller may mutate its state as soon as ``save``
+  returns, then collects the receipts with ``ShardSave.receipts()`` (or ``finalize()``).
+
+As with ``Run.save`` (DESIGN.md §7), a writer has at most one save in flight: the next
+``save``/``write`` first waits for it, and a failure nobody has seen yet raises ``SaveError``
+there, at ``finalize()`` or at ``close()`` -- once.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
+from ckptstore.checkpointer.snapshot import Snapshotter
+from ckptstore.errors import ConfigError, RunStateError, SaveError
 from ckptstore.names import check_component_name, check_kind
 from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.serialize.save import ComponentResult, write_component
+from ckptstore.serialize.save import ComponentResult, FlatState, write_component, write_flat
+
+log = logging.getLogger("ckptstore.checkpointer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,11 +46,70 @@ class ShardReceipt:
     component: str
     result: ComponentResult
     kind: str = "state"
+    #: ``time.time()`` when the writer began the save this receipt belongs to.
+    started_at: float | None = None
+    #: How long the writer's caller was blocked by that save (the snapshot, for ``save``).
+    blocked_seconds: float = 0.0
+    #: Encoding, hashing and uploading this component (in the background, for ``save``).
+    upload_seconds: float = 0.0
 
     @property
     def uploaded_bytes(self) -> int:
         """Bytes this worker uploaded (not already stored)."""
         return self.result.uploaded_bytes
+
+
+class ShardSave:
+    """An asynchronous :meth:`ShardWriter.save`; ``receipts()`` waits for its receipts."""
+
+    def __init__(
+        self,
+        components: tuple[str, ...],
+        future: Future[list[ShardReceipt]],
+        *,
+        started_at: float,
+        blocked_seconds: float,
+        store_url: str,
+    ) -> None:
+        self.components = components
+        self.started_at = started_at
+        self.blocked_seconds = blocked_seconds
+        self._future = future
+        self._store_url = store_url
+        self._reported = False
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"ShardSave({list(self.components)}, {state}, store={self._store_url!r})"
+
+    def done(self) -> bool:
+        """True once every component is stored, or the save failed."""
+        return self._future.done()
+
+    def receipts(self, timeout: float | None = None) -> list[ShardReceipt]:
+        """The receipts, one per component. Raises ``TimeoutError`` (the save goes on) if
+        ``timeout`` seconds pass first, ``SaveError`` if the save failed."""
+        error = self._future.exception(timeout)
+        if error is not None:
+            self._reported = True
+            raise self._failure(error) from error
+        return list(self._future.result())
+
+    def _failure(self, error: BaseException) -> SaveError:
+        return SaveError(
+            f"the shard save of {list(self.components)} to {self._store_url} failed: "
+            f"{type(error).__name__}: {error}; nothing from it can be committed -- save again"
+        )
+
+    def _take_unreported(self) -> SaveError | None:
+        """The failure (once) of a finished save nobody has seen fail yet, else None."""
+        error = self._future.exception() if self.done() else None
+        if error is None or self._reported:
+            return None
+        self._reported = True
+        failure = self._failure(error)
+        failure.__cause__ = error
+        return failure
 
 
 class ShardWriter:
@@ -38,22 +119,149 @@ class ShardWriter:
         self._owns_store = not isinstance(store, ObjectStore)
         self.store = open_store(store) if not isinstance(store, ObjectStore) else store
         self._writer = BlobWriter(self.store, options)
+        # Its buffers are reused by every save: safe, since one save at most is in flight.
+        self._snapshotter = Snapshotter()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-shards")
+        self._pending: ShardSave | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"ShardWriter(store={self.store.url!r})"
 
     def write(self, component: str, state: Any, *, kind: str = "state") -> ShardReceipt:
         """Store ``state`` (do not mutate it until this returns) and return the receipt."""
+        started_at, started = time.time(), time.perf_counter()
+        self._check_open()
         check_component_name(component)
         check_kind(kind)
+        self._settle()
+        upload_started = time.perf_counter()
         self._writer.forget()
-        return ShardReceipt(component, write_component(self._writer, state), kind)
+        result = write_component(self._writer, state)
+        ended = time.perf_counter()
+        return ShardReceipt(
+            component, result, kind, started_at, ended - started, ended - upload_started
+        )
+
+    def save(
+        self, components: Mapping[str, Any], *, kinds: Mapping[str, str] | None = None
+    ) -> ShardSave:
+        """Snapshot every component (name -> state) and return; store them in the background.
+
+        GPU tensors are copied into pinned host buffers. A previous save that failed unseen
+        raises ``SaveError`` here, before anything new starts. ``kinds`` maps a component to
+        its kind (default ``"state"``).
+        """
+        started_at, started = time.time(), time.perf_counter()
+        self._check_open()
+        kind_of = check_components(components, kinds)
+        self._settle()
+        flats = self._snapshotter.take(components)
+        blocked = time.perf_counter() - started
+        future = self._executor.submit(self._store_all, flats, kind_of, started_at, blocked)
+        self._pending = ShardSave(
+            tuple(kind_of),
+            future,
+            started_at=started_at,
+            blocked_seconds=blocked,
+            store_url=self.store.url,
+        )
+        return self._pending
+
+    def finalize(self) -> list[ShardReceipt] | None:
+        """Wait for the save in flight: its receipts, or its unreported failure raised as
+        ``SaveError``; None if no save was in flight (or its failure was already reported)."""
+        finished = self._settle()
+        if finished is None or finished._future.exception() is not None:
+            return None
+        return list(finished._future.result())
 
     def close(self) -> None:
-        """Release the writer threads (and the store, if this writer opened it)."""
-        self._writer.close()
-        if self._owns_store:
-            self.store.close()
+        """Finalize (raising an unreported failure), then release the threads (and the store,
+        if this writer opened it). Closing again does nothing."""
+        if self._closed:
+            return
+        try:
+            self.finalize()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._writer.close()
+            if self._owns_store:
+                self.store.close()
 
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as flush_error:
+            # Never mask the exception already propagating; attach the flush failure to it.
+            log.exception("while handling %r, the pending shard save failed too", exc)
+            exc.add_note(f"ckptstore: the pending shard save also failed: {flush_error!r}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RunStateError(f"{self!r} is closed; create a new ShardWriter to save")
+
+    def _settle(self) -> ShardSave | None:
+        """Wait for the save in flight and forget it; raise its failure if nobody saw it."""
+        pending = self._pending
+        if pending is None:
+            return None
+        pending._future.exception()  # wait without raising; an interrupt leaves it pending
+        self._pending = None
+        failure = pending._take_unreported()
+        if failure is not None:
+            raise failure
+        return pending
+
+    def _store_all(
+        self,
+        flats: dict[str, FlatState],
+        kind_of: dict[str, str],
+        started_at: float,
+        blocked: float,
+    ) -> list[ShardReceipt]:
+        """The background half of ``save``: every snapshotted component, stored in turn."""
+        self._writer.forget()
+        receipts = []
+        for name, flat in flats.items():
+            began = time.perf_counter()
+            result = write_flat(self._writer, flat)
+            upload = time.perf_counter() - began
+            receipts.append(ShardReceipt(name, result, kind_of[name], started_at, blocked, upload))
+        return receipts
+
+
+def check_components(
+    components: Mapping[str, Any], kinds: Mapping[str, str] | None
+) -> dict[str, str]:
+    """Each component's kind, after checking names and kinds; ConfigError names the problem."""
+    if not isinstance(components, Mapping):
+        raise ConfigError(
+            f"components must be a mapping of name -> state, not {type(components).__name__}"
+        )
+    if not components:
+        raise ConfigError("a shard save needs at least one component")
+    kinds = dict(kinds or {})
+    unknown = sorted(set(kinds) - set(components))
+    if unknown:
+        raise ConfigError(
+            f"kinds names {unknown}, which this save does not contain; "
+            f"its components are {list(components)}"
+        )
+    for name in components:
+        check_component_name(name)
+    for kind in kinds.values():
+        check_kind(kind)
+    return {name: kinds.get(name, "state") for name in components}

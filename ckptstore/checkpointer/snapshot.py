@@ -2,9 +2,10 @@
 
 Buffers are kept between saves and reused when a tensor's path, dtype and shape are unchanged,
 so steady-state snapshots copy into memory that is already mapped (no page faults) — the
-dominant cost of a first snapshot. Tensors on a GPU are copied into pinned host buffers.
-One save is in flight at a time, so a buffer is never reused while its bytes are still being
-stored.
+dominant cost of a first snapshot. The leaf describing a buffer (its byte view) is kept with
+it, so a steady-state snapshot does no per-tensor work beyond the copy. Tensors on a GPU are
+copied into pinned host buffers. One save is in flight at a time, so a buffer (and its leaf) is
+never reused while its bytes are still being stored.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class Snapshotter:
     """Copies components into reusable host buffers and flattens them."""
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
+        #: buffer key -> (reused host buffer, the leaf that views it)
+        self._buffers: dict[str, tuple[torch.Tensor, Leaf]] = {}
         self._used: set[str] = set()
         self._from_gpu = False
 
@@ -48,15 +50,16 @@ class Snapshotter:
             self._used.add(key)
             source = tensor.detach()
             self._from_gpu |= source.device.type == "cuda"
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.dtype != source.dtype or buffer.shape != source.shape:
+            kept = self._buffers.get(key)
+            if kept is None or kept[0].dtype != source.dtype or kept[0].shape != source.shape:
                 buffer = torch.empty(
                     source.shape,
                     dtype=source.dtype,
                     pin_memory=source.device.type == "cuda",
                 )
-                self._buffers[key] = buffer
-            buffer.copy_(source.resolve_conj().resolve_neg(), non_blocking=True)
-            return tensor_leaf(buffer, path)
+                kept = (buffer, tensor_leaf(buffer, path))
+                self._buffers[key] = kept
+            kept[0].copy_(source.resolve_conj().resolve_neg(), non_blocking=True)
+            return kept[1]
 
         return view
