@@ -1,13 +1,15 @@
-"""Small helpers shared by the blob and serialization tests."""
+"""Small helpers shared by the blob, serialization and checkpointer tests."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ckptstore.cas import BlobWriter, WriterOptions
-from ckptstore.objectstore import ObjectStore
+from ckptstore.errors import ObjectStoreError
+from ckptstore.objectstore import LocalStore, ObjectStore, PutData
 from ckptstore.serialize import ComponentResult, write_component
 
 
@@ -20,3 +22,16 @@ def save(store: ObjectStore, state: Any, **options: Any) -> ComponentResult:
 
 def random_bytes(n: int, seed: int = 0) -> bytes:
     return np.random.default_rng(seed).bytes(n)
+
+
+class FlakyStore(LocalStore):
+    """A real LocalStore whose writes fail while ``failing`` is set."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, fsync=False)
+        self.failing = False
+
+    def put(self, key: str, data: PutData) -> bool:
+        if self.failing:
+            raise ObjectStoreError(f"injected failure writing {self.url}/{key}")
+        return super().put(key, data)

@@ -6,11 +6,30 @@ failure nobody has seen yet surfaces there (or at ``finalize()``/``close()``), n
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from ckptstore.errors import CkptStoreError, FencedError, SaveError
 from ckptstore.manifest.records import CheckpointInfo
+
+log = logging.getLogger("ckptstore.checkpointer")
+
+
+def close_on_exit(close: Callable[[], None], exc: BaseException | None, what: str) -> None:
+    """Leaving a writer's ``with`` block: ``close()`` (flushing the pending save). If an
+    exception is already propagating, a flush failure never masks it: it is logged and
+    attached to that exception as a note naming ``what`` ("checkpoint save", ...)."""
+    if exc is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as flush_error:
+        log.exception("while handling %r, the pending %s failed too", exc, what)
+        exc.add_note(f"ckptstore: the pending {what} also failed: {flush_error!r}")
+        if flush_error.__cause__ is not None:
+            exc.add_note(f"ckptstore: caused by {flush_error.__cause__!r}")
 
 
 class SaveHandle:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
 from ckptstore.checkpointer import commit, restore
-from ckptstore.checkpointer.handle import SaveHandle, SaveQueue
+from ckptstore.checkpointer.handle import SaveHandle, SaveQueue, close_on_exit
 from ckptstore.checkpointer.jsonvalues import plain_json
 from ckptstore.checkpointer.retention import RetentionPolicy
 from ckptstore.checkpointer.shards import ShardReceipt
@@ -200,17 +200,7 @@ class Run:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as flush_error:
-            # Never mask the exception already propagating; attach the flush failure to it.
-            log.exception("while handling %r, the pending checkpoint save failed too", exc)
-            exc.add_note(f"ckptstore: the pending checkpoint save also failed: {flush_error!r}")
-            if flush_error.__cause__ is not None:
-                exc.add_note(f"ckptstore: caused by {flush_error.__cause__!r}")
+        close_on_exit(self.close, exc, "checkpoint save")
 
 
 def check_save_names(

@@ -21,7 +21,6 @@ there, at ``finalize()`` or at ``close()`` -- once.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,13 +29,12 @@ from types import TracebackType
 from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
+from ckptstore.checkpointer.handle import close_on_exit
 from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.errors import ConfigError, RunStateError, SaveError
 from ckptstore.names import check_component_name, check_kind
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.serialize.save import ComponentResult, FlatState, write_component, write_flat
-
-log = logging.getLogger("ckptstore.checkpointer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,15 +197,7 @@ class ShardWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc is None:
-            self.close()
-            return
-        try:
-            self.close()
-        except Exception as flush_error:
-            # Never mask the exception already propagating; attach the flush failure to it.
-            log.exception("while handling %r, the pending shard save failed too", exc)
-            exc.add_note(f"ckptstore: the pending shard save also failed: {flush_error!r}")
+        close_on_exit(self.close, exc, "shard save")
 
     def _check_open(self) -> None:
         if self._closed:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from component_helpers import FlakyStore
 from sqlalchemy import func, select, text
 
 from ckptstore.cas.digest import blob_key, digest_bytes
@@ -34,7 +35,7 @@ from ckptstore.errors import (
 from ckptstore.manifest import Database
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, CheckpointRow, RunRow, Status
-from ckptstore.objectstore import LocalStore, PutData
+from ckptstore.objectstore import LocalStore
 from ckptstore.serialize.compare import first_difference
 
 MiB = 1 << 20
@@ -108,19 +109,6 @@ def chunk_digests(tensor: torch.Tensor, chunk_bytes: int) -> list[str]:
     raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     step = chunk_bytes // tensor.element_size() * tensor.element_size()
     return [digest_bytes(raw[i : i + step]) for i in range(0, len(raw), step)]
-
-
-class FlakyStore(LocalStore):
-    """A real LocalStore whose writes fail while ``failing`` is set."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)  # as the ``store`` fixture
-        self.failing = False
-
-    def put(self, key: str, data: PutData) -> bool:
-        if self.failing:
-            raise ObjectStoreError(f"injected failure writing {self.url}/{key}")
-        return super().put(key, data)
 
 
 @pytest.fixture

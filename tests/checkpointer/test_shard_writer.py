@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from component_helpers import FlakyStore
 
 from ckptstore.checkpointer import ShardSave, ShardWriter, open_run
 from ckptstore.errors import (
@@ -100,19 +101,6 @@ class SlowStore(LocalStore):
 
     def put(self, key: str, data: PutData) -> bool:
         time.sleep(self.delay)
-        return super().put(key, data)
-
-
-class FlakyStore(LocalStore):
-    """A real LocalStore whose writes fail while ``failing`` is set."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)
-        self.failing = False
-
-    def put(self, key: str, data: PutData) -> bool:
-        if self.failing:
-            raise ObjectStoreError(f"injected failure writing {self.url}/{key}")
         return super().put(key, data)
 
 
