@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import load_config, to_dict
+from trainer.config import TrainerConfig, load_config
 from trainer.controller import Controller
 
 
@@ -35,15 +35,15 @@ def small_overrides(root: Path, **extra: Any) -> list[str]:
     return [f"{key}={'null' if value is None else value}" for key, value in values.items()]
 
 
-def small_config(root: Path, **extra: Any) -> dict[str, Any]:
+def small_config(root: Path, **extra: Any) -> TrainerConfig:
     """The config for ``backend=local``; keys use dots with ``__`` in place of ``.``."""
     overrides = {key.replace("__", "."): value for key, value in extra.items()}
     overrides.setdefault("backend", "local")
-    return to_dict(load_config(None, small_overrides(root, **overrides)))
+    return load_config(None, small_overrides(root, **overrides))
 
 
 def train(
-    cfg: dict[str, Any], process_start: float | None = None
+    cfg: TrainerConfig, process_start: float | None = None
 ) -> tuple[dict[str, Any], list[str]]:
     """Run the controller in this process to the end; returns its summary and printed lines."""
     controller = Controller(cfg, time.time() if process_start is None else process_start)

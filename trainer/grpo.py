@@ -22,6 +22,8 @@ from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 from ckptstore.errors import CkptStoreError  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
+from trainer.errors import TrainerError  # noqa: E402
 
 EPILOG = """\
 examples:
@@ -49,18 +51,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def resolve_locations(cfg: dict[str, Any]) -> None:
-    """Absolute store/db locations: the actors may not share the driver's working directory."""
+def resolve_locations(cfg: TrainerConfig) -> None:
+    """Absolute store/db/trace locations: the actors may not share the driver's working
+    directory."""
     from ckptstore.settings import default_db, default_store
 
-    ck = cfg["checkpointing"]
-    ck["db"] = ck["db"] or default_db()
-    ck["store"] = ck["store"] or default_store()
-    if "://" not in ck["db"]:
-        ck["db"] = str(Path(ck["db"]).resolve())
-        Path(ck["db"]).parent.mkdir(parents=True, exist_ok=True)
-    if "://" not in ck["store"]:
-        ck["store"] = str(Path(ck["store"]).resolve())
+    ck = cfg.checkpointing
+    ck.db = ck.db or default_db()
+    ck.store = ck.store or default_store()
+    if "://" not in ck.db:
+        ck.db = str(Path(ck.db).resolve())
+        if ck.enabled:
+            Path(ck.db).parent.mkdir(parents=True, exist_ok=True)
+    if "://" not in ck.store:
+        ck.store = str(Path(ck.store).resolve())
+    if cfg.logger.prompt_trace is not None:
+        cfg.logger.prompt_trace = str(Path(cfg.logger.prompt_trace).resolve())
 
 
 async def _drive_local(controller: Any) -> dict[str, Any]:
@@ -74,7 +80,7 @@ async def _drive_local(controller: Any) -> dict[str, Any]:
     return task.result()  # type: ignore[no-any-return]
 
 
-def _drive_ray(cfg: dict[str, Any]) -> dict[str, Any]:
+def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
@@ -104,46 +110,44 @@ def _drive_ray(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train (or resume); the exit status: 0 done or stopped early, 2 fix the config or the
+    run, 1 a failure at run time."""
     args = parse_args(argv)
-    from trainer.config import load_config, to_dict
-    from trainer.controller import Controller, TrainerError
+    from trainer.config import load_config
+    from trainer.controller import Controller
 
-    cfg = to_dict(load_config(args.config, args.overrides))
-    resolve_locations(cfg)
     try:
-        if cfg["backend"] == "local":
+        cfg = load_config(args.config, args.overrides)
+        resolve_locations(cfg)
+        if cfg.backend == "local":
             summary = asyncio.run(_drive_local(Controller(cfg, PROCESS_START)))
         else:
             summary = _drive_ray(cfg)
-    except (TrainerError, CkptStoreError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:
-        cause = _user_error(exc)
-        if cause is None:
+        known = _known_error(exc)
+        if known is None:
             raise
-        print(f"error: {cause}", file=sys.stderr)
-        return 2
+        print(f"error: {known}", file=sys.stderr)
+        return getattr(known, "exit_code", 2)
     state = "stopped early" if summary["stopped_early"] else "finished"
     print(
         f"{state}: run {summary['run']!r} at step {summary['train_steps']} "
-        f"({summary['consumed_samples']} samples); checkpoints at steps {summary['saved_steps']}"
+        f"({summary['consumed_samples']} prompts, {summary['consumed_generations']} samples); "
+        f"checkpoints at steps {summary['saved_steps']}"
     )
     return 0
 
 
-def _user_error(exc: BaseException) -> str | None:
-    """A TrainerError or ckptstore error wrapped by Ray (RayTaskError keeps it as its cause)."""
-    from trainer.controller import TrainerError
-
-    seen = exc
+def _known_error(exc: BaseException) -> BaseException | None:
+    """A TrainerError or ckptstore error, also when Ray wrapped it (RayTaskError keeps it as
+    its cause); ckptstore errors exit 2 (their message names what to fix)."""
+    seen: BaseException | None = exc
     for _ in range(5):
         if isinstance(seen, TrainerError | CkptStoreError):
-            return str(seen)
-        inner = getattr(seen, "cause", None) or seen.__cause__
-        if inner is None:
+            return seen
+        if seen is None:
             return None
-        seen = inner
+        seen = getattr(seen, "cause", None) or seen.__cause__
     return None
 
 

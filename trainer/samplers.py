@@ -145,18 +145,21 @@ BUILTIN: dict[str, type[PromptGroupSampler]] = {
 
 
 def make_sampler(options: Mapping[str, Any]) -> PromptGroupSampler:
-    """The sampler ``async_rl.sampler.name``; ``custom`` loads ``async_rl.sampler.class``."""
+    """The sampler ``async_rl.sampler.name``; ``custom`` loads ``async_rl.sampler.custom_class``
+    (the ``class`` option)."""
     name = str(options.get("name"))
     if name in BUILTIN:
         return BUILTIN[name](options)
     if name != "custom":
         raise ValueError(
             f"async_rl.sampler.name={name!r} is unknown: use one of "
-            f"{[*BUILTIN, 'custom']} (custom needs async_rl.sampler.class=module:Class)"
+            f"{[*BUILTIN, 'custom']} (custom needs async_rl.sampler.custom_class=module:Class)"
         )
     target = options.get("class")
     if not target or ":" not in str(target):
-        raise ValueError("async_rl.sampler.name=custom needs async_rl.sampler.class=module:Class")
+        raise ValueError(
+            "async_rl.sampler.name=custom needs async_rl.sampler.custom_class=module:Class"
+        )
     module_name, _, class_name = str(target).partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)

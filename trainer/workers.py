@@ -12,7 +12,8 @@ import torch
 from tensordict import TensorDict
 
 from ckptstore.cas.writer import WriterOptions
-from ckptstore.checkpointer import ShardReceipt, ShardWriter
+from ckptstore.checkpointer import ShardReceipt, ShardSave, ShardWriter
+from trainer.config import TrainerConfig
 from trainer.policy import (
     Policy,
     PolicyConfig,
@@ -24,20 +25,20 @@ from trainer.policy import (
 from trainer.task import reward
 
 
-def policy_config(cfg: dict[str, Any]) -> PolicyConfig:
-    p = cfg["policy"]
+def policy_config(cfg: TrainerConfig) -> PolicyConfig:
+    """The model's shape from the config."""
     return PolicyConfig(
-        num_digits=int(cfg["task"]["num_digits"]),
-        d_model=int(p["d_model"]),
-        n_layers=int(p["n_layers"]),
-        n_heads=int(p["n_heads"]),
+        num_digits=cfg.task.num_digits,
+        d_model=cfg.policy.d_model,
+        n_layers=cfg.policy.n_layers,
+        n_heads=cfg.policy.n_heads,
     )
 
 
 class RolloutWorker:
     """Generates ``num_generations_per_prompt`` answers per prompt with a given weight version."""
 
-    def __init__(self, cfg: dict[str, Any]) -> None:
+    def __init__(self, cfg: TrainerConfig) -> None:
         torch.set_num_threads(1)
         self.cfg = cfg
         self.model = Policy(policy_config(cfg)).eval()
@@ -50,13 +51,13 @@ class RolloutWorker:
 
     def generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """One result per request ``{group_id, digits}``; sampling is seeded by the group id."""
-        group_size = int(self.cfg["grpo"]["num_generations_per_prompt"])
-        temperature = float(self.cfg["grpo"]["temperature"])
+        group_size = self.cfg.grpo.num_generations_per_prompt
+        temperature = self.cfg.grpo.temperature
         results = []
         for request in requests:
             group_id = int(request["group_id"])
             digits = torch.tensor([request["digits"]], dtype=torch.int64)
-            generator = torch.Generator().manual_seed(int(self.cfg["seed"]) * 1_000_003 + group_id)
+            generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + group_id)
             tokens, logprobs = generate(
                 self.model, digits, samples=group_size, temperature=temperature, generator=generator
             )
@@ -87,26 +88,26 @@ class PolicyWorker:
     """Owns the model, the optimizer and the frozen reference; trains; uploads its own shards."""
 
     def __init__(
-        self, cfg: dict[str, Any], base_weights: dict[str, torch.Tensor], store: str | None
+        self, cfg: TrainerConfig, base_weights: dict[str, torch.Tensor], store: str | None
     ) -> None:
         torch.set_num_threads(1)
-        torch.manual_seed(int(cfg["seed"]))
+        torch.manual_seed(cfg.seed)
         self.cfg = cfg
         config = policy_config(cfg)
         self.model = Policy(config)
         self.model.load_state_dict(base_weights)
         self.reference = Policy(config).eval().requires_grad_(False)
         self.reference.load_state_dict(base_weights)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=float(cfg["policy"]["lr"]))
-        # Small writes, no packs for the optimizer moments: each tensor dedups on its own.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.policy.lr)
         self.shards = ShardWriter(store, options=WriterOptions()) if store is not None else None
+        self._save: ShardSave | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def train_step(self, batch: TensorDict) -> dict[str, float]:
-        g = int(self.cfg["grpo"]["num_generations_per_prompt"])
-        n = int(self.cfg["task"]["num_digits"])
+        g = self.cfg.grpo.num_generations_per_prompt
+        n = self.cfg.task.num_digits
         tokens = batch["tokens"]
         advantages = group_advantages(batch["rewards"], g)
         with torch.no_grad():
@@ -118,8 +119,8 @@ class PolicyWorker:
             batch["logprobs"],
             ref,
             advantages,
-            clip_eps=float(self.cfg["grpo"]["clip_eps"]),
-            kl_coef=float(self.cfg["grpo"]["kl_coef"]),
+            clip_eps=self.cfg.grpo.clip_eps,
+            kl_coef=self.cfg.grpo.kl_coef,
         )
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -132,16 +133,31 @@ class PolicyWorker:
             **stats,
         }
 
-    def save_shards(self, save_optimizer: bool) -> list[ShardReceipt]:
-        """Upload this worker's checkpoint shards; the controller commits the receipts."""
+    def snapshot_shards(self, save_optimizer: bool) -> float:
+        """Snapshot the policy (and optimizer) shards and start uploading them in the
+        background; returns the seconds the snapshot took. Training goes on meanwhile; the
+        controller collects the receipts with :meth:`shard_receipts` and commits them."""
         if self.shards is None:
             raise RuntimeError("this policy worker was started without a checkpoint store")
-        receipts = [self.shards.write("policy", self.model.state_dict(), kind="policy")]
+        components: dict[str, Any] = {"policy": self.model.state_dict()}
+        kinds = {"policy": "policy"}
         if save_optimizer:
-            receipts.append(
-                self.shards.write("optimizer", self.optimizer.state_dict(), kind="optimizer")
-            )
-        return receipts
+            components["optimizer"] = self.optimizer.state_dict()
+            kinds["optimizer"] = "optimizer"
+        # One save in flight: a previous upload that was never collected is waited for here.
+        self._save = self.shards.save(components, kinds=kinds)
+        return self._save.blocked_seconds
+
+    def shard_receipts(self, wait: bool) -> list[ShardReceipt] | None:
+        """The receipts of the last snapshot's uploads (None if ``wait`` is false and they are
+        still uploading); raises the upload's error."""
+        save = self._save
+        if save is None:
+            raise RuntimeError("shard_receipts() without a snapshot_shards() first")
+        if not wait and not save.done():
+            return None
+        self._save = None
+        return save.receipts()
 
     def load(self, policy: dict[str, torch.Tensor], optimizer: dict[str, Any] | None) -> bool:
         """Restore saved weights (and optimizer); False, changing nothing, if shapes differ."""

@@ -482,9 +482,9 @@ def test_a_custom_sampler_with_a_builtin_name_is_renamed() -> None:
 @pytest.mark.parametrize(
     ("target", "match"),
     [
-        (None, r"needs async_rl.sampler.class=module:Class"),
-        ("", r"needs async_rl.sampler.class=module:Class"),
-        ("test_samplers.MySampler", r"needs async_rl.sampler.class=module:Class"),
+        (None, r"needs async_rl.sampler.custom_class=module:Class"),
+        ("", r"needs async_rl.sampler.custom_class=module:Class"),
+        ("test_samplers.MySampler", r"needs async_rl.sampler.custom_class=module:Class"),
         ("no_such_module_xyz:MySampler", r"cannot load custom sampler .*no_such_module_xyz"),
         ("test_samplers:NoSuchClass", r"cannot load custom sampler .*NoSuchClass"),
         ("test_samplers:", r"cannot load custom sampler"),

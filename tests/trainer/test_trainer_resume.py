@@ -14,17 +14,18 @@ from ckptstore.checkpointer import open_run
 from ckptstore.errors import SaveError
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
-from trainer.config import parse_deadline
-from trainer.controller import Controller, TrainerError
+from trainer.config import TrainerConfig, parse_deadline
+from trainer.controller import Controller
+from trainer.errors import ConfigurationError, ResumeError, TrainerError
 from trainer.workers import RolloutWorker
 
 
-def _run(cfg: dict[str, Any]) -> Any:
-    ck = cfg["checkpointing"]
-    return open_run(ck["run_name"], db=ck["db"], store=ck["store"], writable=False)
+def _run(cfg: TrainerConfig) -> Any:
+    ck = cfg.checkpointing
+    return open_run(ck.run_name, db=ck.db, store=ck.store, writable=False)
 
 
-def _restored(cfg: dict[str, Any]) -> dict[str, Any]:
+def _restored(cfg: TrainerConfig) -> dict[str, Any]:
     """Set a controller up (restore included) without starting the pumps; report its state."""
 
     async def go() -> dict[str, Any]:
@@ -35,11 +36,10 @@ def _restored(cfg: dict[str, Any]) -> dict[str, Any]:
             "buffered": len(controller.buffer),
             "free_permits": controller.permits._value,
             "dispatch_index": controller.sampler.dispatch_index,
-            "redispatch": len(controller.redispatch),
+            "redispatch": len(controller.ledger.redispatch),
             "lines": controller.drain(),
         }
-        await controller.policy.close.remote()
-        controller._close(None)
+        await controller._shutdown(None)
         return state
 
     return asyncio.run(go())
@@ -54,16 +54,18 @@ def test_resumed_run_ends_at_max_steps_and_saves_only_after_the_resume(tmp_path:
     assert second["train_steps"] == 4  # not 2 (M - N) and not 6 (M + N)
     assert second["saved_steps"] == [4]
     assert any(line.startswith("resumed run 't' from step 2") for line in lines)
-    samples_per_step = 2 * 4
-    assert second["consumed_samples"] == 4 * samples_per_step
+    # consumed_samples counts prompts (the reference's meaning); generations are prompts x G.
+    assert second["consumed_samples"] == 4 * 2
+    assert second["consumed_generations"] == 4 * 2 * 4
     with _run(small_config(tmp_path)) as run:
         assert [c.step for c in run.checkpoints(["committed"])] == [2, 4]
         latest = run.latest()
         assert latest is not None
         assert latest.training_info is not None
-        assert latest.training_info["consumed_samples"] == 4 * samples_per_step
+        assert latest.training_info["consumed_samples"] == 4 * 2
+        assert latest.training_info["consumed_generations"] == 4 * 2 * 4
         assert latest.training_info["current_step"] == 4
-        assert latest.trigger == "last"
+        assert latest.trigger == "period"  # a multiple of save_period, also the last step
         assert {c.name for c in latest.components} == {
             "policy",
             "optimizer",
@@ -76,13 +78,13 @@ def test_resumed_run_ends_at_max_steps_and_saves_only_after_the_resume(tmp_path:
 def test_missing_dataloader_state_raises(tmp_path: Path) -> None:
     cfg = small_config(tmp_path, grpo__max_num_steps=2)
     train(cfg)
-    ck = cfg["checkpointing"]
-    with open_run("t", db=ck["db"], store=ck["store"], async_save=False) as run:
+    ck = cfg.checkpointing
+    with open_run("t", db=ck.db, store=ck.store, async_save=False) as run:
         loaded = run.load()
         state = {k: v for k, v in loaded.state.items() if k != "dataloader"}
         info = dict(loaded.info.training_info or {}, current_step=3)
         run.save(3, state, training_info=info)
-    with pytest.raises(TrainerError, match="step 3 has no dataloader state"):
+    with pytest.raises(ResumeError, match="step 3 has no dataloader state"):
         train(small_config(tmp_path))
 
 
@@ -113,14 +115,17 @@ def test_sampler_change_skips_the_buffer_and_restored_groups_hold_permits(tmp_pa
     assert any("sampler changed ('windowed' -> 'ready_first')" in x for x in other["lines"])
 
 
-def test_dispatch_index_restarts_at_the_saved_step(tmp_path: Path) -> None:
+def test_dispatch_index_is_restored_as_saved(tmp_path: Path) -> None:
     train(small_config(tmp_path, grpo__max_num_steps=2, async_rl__sampler__name="in_order"))
     with _run(small_config(tmp_path)) as run:
-        outstanding = run.load(components=["rollout_state"]).state["rollout_state"]["batches"]
-    state = _restored(small_config(tmp_path, async_rl__sampler__name="in_order"))
-    # set_dispatch_index(2) -> 1, then one re-admission per outstanding batch.
-    assert state["dispatch_index"] == 1 + len(outstanding)
+        rollout = run.load(components=["rollout_state"]).state["rollout_state"]
+    outstanding = rollout["batches"]
+    assert outstanding, "the test needs prompts in flight at the save"
     assert [b["dispatch_index"] for b in outstanding] == list(range(2, 2 + len(outstanding)))
+    state = _restored(small_config(tmp_path, async_rl__sampler__name="in_order"))
+    # Not derived from the step (which would give 1 and make fresh batches reuse the
+    # re-dispatched batches' indices): the index of the newest admitted batch.
+    assert state["dispatch_index"] == rollout["dispatch_index"] == 1 + len(outstanding)
 
 
 def test_exactly_once_prompts_across_an_interruption(tmp_path: Path) -> None:
@@ -155,21 +160,28 @@ def test_deadline_formats() -> None:
     assert parse_deadline("01:02:03:04", start) == ((24 + 2) * 60 + 3) * 60 + 4
     assert parse_deadline("2023-11-14T22:15:00Z", start) == pytest.approx(100.0)
     assert parse_deadline(None, start) is None
-    with pytest.raises(SystemExit, match="DD:HH:MM:SS"):
+    with pytest.raises(ConfigurationError, match="DD:HH:MM:SS"):
         parse_deadline("tomorrow", start)
-    with pytest.raises(SystemExit, match="within 23:59:59"):
+    with pytest.raises(ConfigurationError, match="within 23:59:59"):
         parse_deadline("00:25:00:00", start)
 
 
 def test_model_config_change_is_refused_unless_forked(tmp_path: Path) -> None:
     train(small_config(tmp_path, grpo__max_num_steps=2))
-    with pytest.raises(TrainerError, match=r"different model config \(changed: policy.d_model\)"):
+    with pytest.raises(ResumeError, match=r"different model config \(changed: policy.d_model\)"):
         train(small_config(tmp_path, policy__d_model=48))
-    summary, lines = train(small_config(tmp_path, policy__d_model=48, checkpointing__fork=True))
+    with pytest.raises(ResumeError, match=r"checkpointing\.fork_init=fresh"):
+        train(small_config(tmp_path, policy__d_model=48, checkpointing__fork=True))
+    summary, lines = train(
+        small_config(
+            tmp_path, policy__d_model=48, checkpointing__fork=True, checkpointing__fork_init="fresh"
+        )
+    )
     assert summary["run"].startswith("t-fork-")
     assert summary["train_steps"] == 4
-    assert any("forking run 't'@2" in x for x in lines)
-    db = Database(small_config(tmp_path)["checkpointing"]["db"])
+    assert any("forking run 't'@2" in x and "fork_init=fresh" in x for x in lines)
+    assert any("starts from the warm-up model" in x for x in lines)
+    db = Database(small_config(tmp_path).checkpointing.db)
     try:
         with db.read() as session:
             parent = q.find_run(session, "t")
@@ -178,29 +190,30 @@ def test_model_config_change_is_refused_unless_forked(tmp_path: Path) -> None:
             assert fork is not None
             parent_ckpt = q.committed_at_step(session, parent.id, 2)
             assert fork.parent_checkpoint_id == parent_ckpt.id
+            assert fork.config["fork_init"] == "fresh"
     finally:
         db.close()
 
 
 def test_shutdown_raises_a_failed_flush_and_chains_it_under_an_exception(tmp_path: Path) -> None:
     cfg = small_config(tmp_path)
-    ck = cfg["checkpointing"]
+    ck = cfg.checkpointing
 
     def failing_save() -> Any:
-        stale = open_run("t", db=ck["db"], store=ck["store"])
-        open_run("t", db=ck["db"], store=ck["store"]).close()  # a newer writer fences it
+        stale = open_run("t", db=ck.db, store=ck.store)
+        open_run("t", db=ck.db, store=ck.store).close()  # a newer writer fences it
         stale.save(1, {"x": {"v": 1}})
         return stale
 
     clean = Controller(cfg, time.time())
-    clean.run = failing_save()
+    clean.checkpointer.run = failing_save()
     with pytest.raises(SaveError, match="step 1"):
-        clean._close(None)
+        asyncio.run(clean.checkpointer.close(None, None))
 
     during = Controller(cfg, time.time())
-    during.run = failing_save()
+    during.checkpointer.run = failing_save()
     original = ValueError("training blew up")
-    during._close(original)  # never masks the exception in flight
+    asyncio.run(during.checkpointer.close(None, original))  # never masks the exception
     assert any("pending checkpoint save also failed" in note for note in original.__notes__)
 
 

@@ -77,9 +77,11 @@ def _two_runs(tmp_path: Path, db: str, store: str, env: dict[str, str]) -> None:
         engine.dispose()
     assert pending == 0
     assert [(r.step, r.status, r.trigger) for r in rows] == [
-        (1, "committed", "timeout"),
+        # The reference's retention: only periodic saves compete for keep_top_k, and a
+        # non-periodic one that is not among the keep_latest_k=2 newest goes.
+        (1, "deleted", "timeout"),
         (2, "committed", "period"),
-        (4, "committed", "last"),
+        (4, "committed", "period"),
     ]
 
 

@@ -1,0 +1,168 @@
+"""The trainer-side checkpointer (trainer/checkpointing.py), in-process (backend=local): resume
+falls back past a corrupt latest checkpoint, the reference's retention rule, the recorded
+timings, the stale-weights guard, and the one-line refusals that come before anything is
+trained or stored (DESIGN.md §9.5-§9.6)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, text
+from trainer_helpers import small_config, small_overrides, train
+
+from ckptstore.cas import blob_key
+from ckptstore.checkpointer import Run, open_run
+from trainer.config import TrainerConfig
+from trainer.errors import ResumeError
+from trainer.grpo import main
+
+
+def _query(cfg: TrainerConfig, sql: str, **params: Any) -> list[Any]:
+    engine = create_engine(f"sqlite:///{cfg.checkpointing.db}")
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(sql), params).all())
+    finally:
+        engine.dispose()
+
+
+def _checkpoints(cfg: TrainerConfig, run: str = "t") -> list[tuple[int, str, str]]:
+    rows = _query(
+        cfg,
+        "SELECT c.step, c.status, c.trigger FROM checkpoints c JOIN runs r ON r.id = c.run_id "
+        "WHERE r.name = :run ORDER BY c.step",
+        run=run,
+    )
+    return [(r.step, r.status, r.trigger) for r in rows]
+
+
+def _open(root: Path) -> Run:
+    ck = small_config(root).checkpointing
+    return open_run("t", db=ck.db, store=ck.store, writable=False)
+
+
+def _runs(cfg: TrainerConfig) -> list[str]:
+    return [r.name for r in _query(cfg, "SELECT name FROM runs ORDER BY name")]
+
+
+def test_resume_falls_back_past_a_corrupt_latest_checkpoint(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, grpo__max_num_steps=4)
+    train(cfg)
+    # Flip a byte in the policy index of step 4 (no other checkpoint shares it).
+    (digest,) = _query(
+        cfg,
+        "SELECT p.index_digest FROM components p JOIN checkpoints c ON c.id = p.checkpoint_id "
+        "JOIN runs r ON r.id = c.run_id WHERE r.name = 't' AND c.step = 4 AND p.name = 'policy'",
+    )[0]
+    path = Path(cfg.checkpointing.store or "") / blob_key(digest)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+    summary, lines = train(small_config(tmp_path, grpo__max_num_steps=6))
+    assert summary["train_steps"] == 6
+    warnings = [x for x in lines if x.startswith("warning: checkpoint step 4")]
+    assert len(warnings) == 1, lines
+    assert "marked corrupt and the run resumes from step 2" in warnings[0]
+    assert any(x.startswith("resumed run 't' from step 2") for x in lines), lines
+    # The resumed run trained steps 3-4 again, deterministically: its step 4 re-uploaded the
+    # damaged index intact (repairing the old checkpoint), then superseded it.
+    with _open(tmp_path) as run:
+        rows = [(c.step, c.status) for c in run.checkpoints()]
+        old_four = [c for c in run.checkpoints() if c.step == 4 and c.status == "deleted"]
+    assert rows == [(2, "committed"), (4, "deleted"), (4, "committed"), (6, "committed")]
+    assert "repaired" in (old_four[0].error or "")
+    assert "superseded" in (old_four[0].error or "")
+    assert "(corrupt)" in (old_four[0].error or "")
+
+
+def test_retention_ranks_only_periodic_saves_and_keeps_every_nth_step(tmp_path: Path) -> None:
+    # A timeout save at step 1, then period-2 saves to step 8; keep_top_k=1 by reward,
+    # keep_latest_k=1, keep_every_n_steps=4. The timeout save goes (it never competes for
+    # keep_top_k and is not the latest); 4 and 8 stay for good; of the periodic saves only the
+    # best rewarded survives besides them.
+    extra = {
+        "checkpointing__keep_top_k": 1,
+        "checkpointing__keep_latest_k": 1,
+        "checkpointing__keep_every_n_steps": 4,
+    }
+    cut, _ = train(
+        small_config(tmp_path, checkpointing__checkpoint_must_save_by="00:00:00:01", **extra),
+        process_start=0.0,
+    )
+    assert cut["train_steps"] == 1
+    summary, _ = train(small_config(tmp_path, grpo__max_num_steps=8, **extra))
+    assert summary["saved_steps"] == [2, 4, 6, 8]
+    with _open(tmp_path) as run:
+        rows = run.checkpoints(statuses=["committed", "deleted"])
+    triggers = {c.step: c.trigger for c in rows}
+    assert triggers == {1: "timeout", 2: "period", 4: "period", 6: "period", 8: "period"}
+    rewards = {c.step: (c.metrics or {})["train:reward"] for c in rows if c.step % 2 == 0}
+    best = max(sorted(rewards), key=lambda step: rewards[step])
+    kept = {c.step for c in rows if c.status == "committed"}
+    assert kept == {4, 8, best}, rows
+
+
+def test_recorded_timings_cover_the_uploads_and_the_longest_wait(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path)
+    train(cfg)
+    rows = _query(
+        cfg,
+        "SELECT c.step, c.save_seconds, c.blocked_seconds FROM checkpoints c "
+        "JOIN runs r ON r.id = c.run_id WHERE r.name = 't' ORDER BY c.step",
+    )
+    assert [r.step for r in rows] == [2, 4]
+    for row in rows:
+        # Blocked is the longest snapshot of any participant: positive, and never longer than
+        # the save, which runs from the first snapshot to the commit (uploads included).
+        assert row.blocked_seconds > 0
+        assert row.save_seconds >= row.blocked_seconds
+
+
+def test_unchanged_weights_between_saves_are_flagged_as_stale(tmp_path: Path) -> None:
+    # lr=0: the train steps change nothing, so step 4 stores the same policy as step 2.
+    summary, lines = train(small_config(tmp_path, policy__lr=0.0))
+    assert summary["saved_steps"] == [2, 4]
+    stale = [x for x in lines if x.startswith("WARNING: step 4 stored the same policy")]
+    assert len(stale) == 1, lines
+    assert not any(x.startswith("WARNING: step 2") for x in lines)
+    with _open(tmp_path) as run:
+        infos = {c.step: c.training_info or {} for c in run.checkpoints()}
+    assert infos[4]["stale_components"] == ["policy"]
+    assert "stale_components" not in infos[2]
+
+
+def test_changed_group_size_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(small_config(tmp_path, grpo__max_num_steps=2))
+    with pytest.raises(ResumeError, match=r"grpo\.num_generations_per_prompt=4"):
+        train(small_config(tmp_path, grpo__num_generations_per_prompt=8))
+    overrides = small_overrides(tmp_path, backend="local", **{"grpo.num_generations_per_prompt": 8})
+    assert main(overrides) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("error: ")
+    assert "num_generations_per_prompt=4" in err[0]
+
+
+def test_a_checkpoint_without_optimizer_state_warns(tmp_path: Path) -> None:
+    train(small_config(tmp_path, grpo__max_num_steps=2, checkpointing__save_optimizer=False))
+    summary, lines = train(small_config(tmp_path, grpo__max_num_steps=4))
+    assert summary["train_steps"] == 4
+    assert any("has no optimizer state: the optimizer starts fresh" in x for x in lines), lines
+
+
+def test_a_refused_config_change_trains_and_stores_nothing(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, grpo__max_num_steps=2)
+    train(cfg)
+    runs = _runs(cfg)
+    assert len(runs) == 2  # the run and its base (warm-up) run
+    assert "t" in runs
+    # A different warm-up is a different base model: refused before it is trained or stored.
+    with pytest.raises(ResumeError, match=r"changed: warmup.steps"):
+        train(small_config(tmp_path, warmup__steps=6))
+    assert _runs(cfg) == runs
+    assert _checkpoints(cfg) == [(2, "committed", "period")]

@@ -1,0 +1,396 @@
+"""The trainer's checkpointer: base model, open or fork, restore, triggers, saves, retention.
+
+It uses only ckptstore's public API. A save is asynchronous for every participant (DESIGN.md
+§9.6): the policy worker snapshots its shards into reused buffers and uploads them in the
+background while it takes its next train steps; the controller snapshots the replay buffer the
+same way and keeps its small components (dataloader, rollout state, counters) as they were at the
+save's step. The checkpoint is committed — one transaction over every receipt — once every
+upload has finished (deferred finalization: checked after each train step, forced at the next
+save and at exit). The manifest records the longest time any participant stopped training for
+the save (``blocked_seconds``) and the time from the first snapshot to the commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptstore.cas.writer import WriterOptions
+from ckptstore.checkpointer import (
+    CheckpointInfo,
+    LoadedCheckpoint,
+    RetentionPolicy,
+    Run,
+    SaveHandle,
+    ShardReceipt,
+    ShardSave,
+    ShardWriter,
+    open_run,
+    run_info,
+)
+from ckptstore.errors import ConfigError, ForeignDatabaseError
+from trainer.config import (
+    TrainerConfig,
+    architecture_changed,
+    changed_keys,
+    fingerprint,
+    model_config,
+    parse_deadline,
+    training_config,
+)
+from trainer.errors import ResumeError
+
+log = logging.getLogger("trainer")
+
+#: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
+RANKED_TRIGGERS = frozenset({"period"})
+#: Kinds of the controller's own components.
+KINDS = {"dataloader": "dataloader", "rollout_state": "state", "replay_buffer": "replay_buffer"}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@dataclass
+class PendingSave:
+    """A save whose shards are still uploading; committed once every receipt has arrived."""
+
+    step: int
+    trigger: str
+    started_at: float
+    blocked: float
+    components: dict[str, Any]
+    training_info: dict[str, Any]
+    metrics: dict[str, Any]
+    buffer: ShardSave  # the replay buffer's upload
+
+
+class TrainerCheckpointer:
+    """Everything the controller does through ckptstore, behind a few calls."""
+
+    def __init__(
+        self, cfg: TrainerConfig, process_start: float, emit: Callable[[str], None]
+    ) -> None:
+        self.cfg = cfg
+        self.ck = cfg.checkpointing
+        self.enabled = self.ck.enabled
+        self.emit = emit
+        self.process_start = process_start
+        self.budget = parse_deadline(self.ck.checkpoint_must_save_by, process_start)
+        self.run: Run | None = None
+        self.run_name = self.ck.run_name
+        self.base_name = f"base-{fingerprint(model_config(cfg))}"
+        self.base_step = cfg.warmup.steps
+        #: (parent run, its newest step) when this start forks a run whose config changed.
+        self.fork_parent: tuple[str, int] | None = None
+        self.fork_fresh = False
+        self.pending: PendingSave | None = None
+        self.committing: SaveHandle | None = None
+        self.saved_steps: list[int] = []
+        self.deadline_fired = False
+        self._buffer_writer: ShardWriter | None = None
+
+    # -- before anything is trained or stored ------------------------------------------------
+
+    def plan(self) -> None:
+        """Refuse a model-config change (or decide the fork) before any warm-up or write."""
+        if not self.enabled:
+            return
+        existing = self._existing_config()
+        if existing is None:
+            return
+        old_model, new_model = model_config(existing), model_config(self.cfg)
+        if old_model == new_model:
+            return
+        changed = changed_keys(old_model, new_model)
+        name = self.ck.run_name
+        if not self.ck.fork:
+            raise ResumeError(
+                f"run {name!r} was trained with a different model config (changed: "
+                f"{', '.join(changed)}); resuming it would mix two trainings. Set "
+                "checkpointing.fork=true to start a new run from its newest checkpoint "
+                "(lineage is recorded), or choose another checkpointing.run_name."
+            )
+        if architecture_changed(changed) and self.ck.fork_init != "fresh":
+            raise ResumeError(
+                f"cannot fork run {name!r} with its weights: the architecture changed "
+                f"({', '.join(changed)}), so the saved policy does not fit. Set "
+                "checkpointing.fork_init=fresh to start the fork from the warm-up model "
+                "(recorded in the run's config), or keep the architecture."
+            )
+        with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
+            latest = parent.latest()
+        if latest is None:
+            raise ResumeError(f"cannot fork run {name!r}: it has no committed checkpoint")
+        self.fork_fresh = architecture_changed(changed)
+        self.fork_parent = (name, latest.step)
+        self.run_name = f"{name}-fork-{fingerprint(new_model)}"
+        how = "from the warm-up model (fork_init=fresh)" if self.fork_fresh else "with its weights"
+        self.emit(
+            f"config changed ({', '.join(changed)}): forking run {name!r}@{latest.step} "
+            f"into {self.run_name!r}, {how}"
+        )
+
+    def _existing_config(self) -> dict[str, Any] | None:
+        db = self.ck.db
+        if db is not None and "://" not in db and not Path(db).exists():
+            return None
+        try:
+            existing = run_info(self.ck.run_name, db=db)
+        except ForeignDatabaseError:
+            raise
+        except ConfigError:  # an empty database: nothing to compare with yet
+            return None
+        return existing.config if existing is not None else None
+
+    def base_weights(
+        self, model: torch.nn.Module, warmup: Callable[[torch.nn.Module], list[float]]
+    ) -> dict[str, torch.Tensor]:
+        """The warm-up model, stored once as run ``base-<hash>`` and shared by every GRPO run
+        with the same task, architecture and warm-up (it is also the frozen reference)."""
+        if not self.enabled:
+            warmup(model)
+            return model.state_dict()
+        spec = model_config(self.cfg)
+        with open_run(
+            self.base_name, db=self.ck.db, store=self.ck.store, config=spec, async_save=False
+        ) as base:
+            if base.latest() is None:
+                losses = warmup(model)
+                base.save(
+                    self.base_step,
+                    {"policy": model.state_dict()},
+                    metrics={"warmup:loss": losses[-1] if losses else None},
+                    kinds={"policy": "policy"},
+                    trigger="last",
+                )
+                self.emit(f"stored the warm-up model as run {self.base_name!r}")
+            else:
+                loaded = base.load(components=["policy"])
+                self.base_step = loaded.info.step
+                model.load_state_dict(loaded.state["policy"])
+        return model.state_dict()
+
+    # -- opening and restoring ------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open (or create, or fork) the run for writing."""
+        ck = self.ck
+        config = training_config(self.cfg)
+        if self.fork_fresh:
+            config["fork_init"] = "fresh"
+        fork_from = self.fork_parent or (self.base_name, self.base_step)
+        self.run = open_run(
+            self.run_name,
+            db=ck.db,
+            store=ck.store,
+            config=config,
+            retention=self.retention(),
+            async_save=ck.async_save,
+            fork_from=fork_from,
+            # Runtime settings (steps, sampler, dataset, save policy) may change between the
+            # runs of one job; the model config was checked by plan().
+            allow_config_change=True,
+        )
+        # Replay-buffer groups: no packs, so an unchanged group stores the same blobs again.
+        self._buffer_writer = ShardWriter(self.run.store, options=WriterOptions(pack_threshold=0))
+
+    def retention(self) -> RetentionPolicy:
+        """The reference's rule: periodic saves compete for keep_top_k, the latest is kept,
+        keep_latest_k protects the newest, keep_every_n_steps keeps multiples for good."""
+        ck = self.ck
+        return RetentionPolicy(
+            keep_top_k=ck.keep_top_k,
+            keep_latest_k=ck.keep_latest_k,
+            keep_every_n_steps=ck.keep_every_n_steps,
+            metric_name=ck.metric_name,
+            higher_is_better=ck.higher_is_better,
+            rank_triggers=RANKED_TRIGGERS,
+        )
+
+    def restore(self) -> LoadedCheckpoint | None:
+        """The newest committed checkpoint that verifies (of this run, or of the fork's
+        parent on a fork's first start), falling back past corrupt ones; None for a new run."""
+        assert self.run is not None
+        if self.run.latest() is not None:
+            loaded = self.run.load()
+        elif self.fork_parent is not None:
+            name = self.fork_parent[0]
+            with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
+                loaded = parent.load()
+        else:
+            self.emit(f"new run {self.run_name!r} (forked from {self.base_name!r})")
+            return None
+        for step, why in loaded.skipped:
+            self.emit(
+                f"warning: checkpoint step {step} of run {loaded.info.run!r} failed verification "
+                f"({why}); it is marked corrupt and the run resumes from step {loaded.info.step}"
+            )
+        return loaded
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def trigger(self, step: int, step_seconds: list[float], last: bool) -> tuple[str | None, bool]:
+        """(trigger, stop): whether to save after ``step``, and whether the time budget ends
+        the run. Saves at multiples of save_period are "period" saves, whatever else fired."""
+        if not self.enabled:
+            return None, False
+        timeout = False
+        if self.budget is not None and not self.deadline_fired and step_seconds:
+            elapsed = time.time() - self.process_start
+            if elapsed + sum(step_seconds) / len(step_seconds) >= self.budget:
+                self.deadline_fired = timeout = True
+        if step % self.ck.save_period == 0:
+            return "period", timeout
+        if timeout:
+            return "timeout", True
+        return ("last" if last else None), False
+
+    async def save(
+        self,
+        trigger: str,
+        step: int,
+        *,
+        policy: Any,
+        buffer_state: dict[str, Any],
+        components: dict[str, Any],
+        training_info: dict[str, Any],
+        metrics: dict[str, Any],
+    ) -> float:
+        """Snapshot every participant and return the seconds training was blocked here; the
+        uploads go on in the background and the commit follows when they are done."""
+        await self.flush(policy)
+        started_at = time.time()
+        began = time.perf_counter()
+        await policy.snapshot_shards.remote(self.ck.save_optimizer)
+        assert self._buffer_writer is not None
+        writer = self._buffer_writer
+        buffer = await asyncio.to_thread(
+            writer.save, {"replay_buffer": buffer_state}, kinds={"replay_buffer": "replay_buffer"}
+        )
+        blocked = time.perf_counter() - began
+        self.pending = PendingSave(
+            step, trigger, started_at, blocked, components, training_info, metrics, buffer
+        )
+        self.saved_steps.append(step)
+        if not self.ck.async_save:
+            await self.flush(policy)
+            await asyncio.to_thread(self._wait_committed)
+        return blocked
+
+    async def poll(self, policy: Any) -> None:
+        """Commit the pending save if every upload has finished (never waits for one)."""
+        pending = self.pending
+        if pending is None or not pending.buffer.done():
+            return
+        receipts = await policy.shard_receipts.remote(False)
+        if receipts is not None:
+            await self._commit(pending, receipts)
+
+    async def flush(self, policy: Any) -> None:
+        """Wait for the pending save's uploads and commit it."""
+        pending = self.pending
+        if pending is None:
+            return
+        receipts = await policy.shard_receipts.remote(True)
+        await self._commit(pending, receipts)
+
+    async def _commit(self, pending: PendingSave, policy_receipts: list[ShardReceipt]) -> None:
+        assert self.run is not None
+        self.pending = None
+        receipts = [*policy_receipts, *pending.buffer.receipts()]
+        # One commit in flight: report the previous one (Run.save would wait for it anyway).
+        await asyncio.to_thread(self._wait_committed)
+        run = self.run
+        handle = await asyncio.to_thread(
+            run.save,
+            pending.step,
+            pending.components,
+            receipts=receipts,
+            training_info=pending.training_info,
+            metrics=pending.metrics,
+            trigger=pending.trigger,
+            kinds={name: KINDS[name] for name in pending.components},
+            started_at=pending.started_at,
+            blocked_seconds=pending.blocked,
+            expect_changed=("policy",),
+        )
+        self.committing = handle
+        self.report()
+
+    def report(self) -> None:
+        """Print the committed save, if the commit in flight has finished."""
+        handle = self.committing
+        if handle is None or not handle.done():
+            return
+        self.committing = None
+        self._emit_saved(handle.wait())
+
+    def _wait_committed(self) -> None:
+        handle, self.committing = self.committing, None
+        if handle is not None:
+            self._emit_saved(handle.wait())
+
+    def _emit_saved(self, info: CheckpointInfo) -> None:
+        self.emit(
+            f"saved step {info.step} ({info.trigger}): {_mib(info.logical_bytes)} logical, "
+            f"{_mib(info.uploaded_bytes)} uploaded, {_mib(info.deduplicated_bytes)} deduplicated, "
+            f"blocked {info.blocked_seconds or 0:.3f}s, save {info.save_seconds or 0:.2f}s"
+        )
+        stale = (info.training_info or {}).get("stale_components")
+        if stale:
+            self.emit(
+                f"WARNING: step {info.step} stored the same {', '.join(stale)} as the previous "
+                "checkpoint although training steps happened in between: the saved weights are "
+                "stale (recorded in training_info.stale_components)"
+            )
+
+    async def close(self, policy: Any, error: BaseException | None) -> None:
+        """Commit the pending save and flush the run. A failure raises on a clean exit and is
+        attached to ``error`` otherwise (never masking it)."""
+        run = self.run
+        try:
+            if run is not None:
+                try:
+                    if policy is not None:
+                        await self.flush(policy)
+                    await asyncio.to_thread(self._wait_committed)
+                finally:
+                    self.run = None
+                    await asyncio.to_thread(self._close_run, run, error)
+        except Exception as flush_error:
+            if error is None:
+                raise
+            log.exception("while handling %r, the pending checkpoint save failed too", error)
+            error.add_note(f"trainer: the pending checkpoint save also failed: {flush_error!r}")
+        finally:
+            self.pending = None
+            if self._buffer_writer is not None:
+                writer, self._buffer_writer = self._buffer_writer, None
+                await asyncio.to_thread(_close_quietly, writer, error)
+
+    def _close_run(self, run: Run, error: BaseException | None) -> None:
+        if error is None:
+            info = run.finalize()
+            if info is not None and self.committing is not None:
+                self._emit_saved(info)
+            run.close()
+        else:
+            run.__exit__(type(error), error, error.__traceback__)
+
+
+def _close_quietly(writer: ShardWriter, error: BaseException | None) -> None:
+    try:
+        writer.close()
+    except Exception:
+        if error is None:
+            raise
+        log.exception("closing the replay-buffer shard writer failed")
