@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckptstore.cas.writer import WriterOptions
+from ckptstore import WriterOptions
 from ckptstore.checkpointer import (
     CheckpointInfo,
     LoadedCheckpoint,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ckptstore.cas.writer import WriterOptions
+from ckptstore import WriterOptions
 from ckptstore.checkpointer import ShardReceipt, ShardSave, ShardWriter
 from trainer.config import TrainerConfig
 from trainer.policy import (
