@@ -21,6 +21,7 @@ LAYERS = {
     "names": 0,
     "settings": 0,
     "durations": 0,
+    "_lazy": 0,
     "objectstore": 1,
     "manifest": 1,
     "_migrations": 1,

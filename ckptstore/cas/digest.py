@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import blake3
 
 from ckptstore.errors import IntegrityError
-from ckptstore.objectstore.base import BytesLike
+
+if TYPE_CHECKING:
+    from ckptstore.objectstore.base import BytesLike
 
 ALGORITHM = "b3"
 _DIGEST_RE = re.compile(r"^b3:[0-9a-f]{64}$")

@@ -10,6 +10,7 @@ never reused while its bytes are still being stored.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,21 @@ import torch
 
 from ckptstore.serialize.save import FlatState, check_tensor, flatten_state, tensor_leaf
 from ckptstore.serialize.tree import Leaf
+
+log = logging.getLogger("ckptstore.checkpointer")
+
+#: A save with at least this many components, nearly all bare tensors, is most likely one
+#: state dict passed unwrapped: every tensor becomes its own component (index and objects).
+UNWRAPPED_COMPONENTS = 100
+
+
+def looks_unwrapped(components: Mapping[str, Any]) -> bool:
+    """Hundreds of components that are nearly all single tensors (``model.state_dict()``
+    passed as the components mapping instead of as one component)."""
+    if len(components) < UNWRAPPED_COMPONENTS:
+        return False
+    bare = sum(isinstance(value, torch.Tensor) for value in components.values())
+    return bare >= 0.9 * len(components)
 
 
 class Snapshotter:
@@ -27,9 +43,22 @@ class Snapshotter:
         self._buffers: dict[str, tuple[torch.Tensor, Leaf]] = {}
         self._used: set[str] = set()
         self._from_gpu = False
+        self._warned_unwrapped = False
 
     def take(self, components: Mapping[str, Any]) -> dict[str, FlatState]:
-        """Flatten and copy every component. Unsupported values raise here, naming the path."""
+        """Flatten and copy every component. Unsupported values raise here, naming the path.
+        Hundreds of bare-tensor components are warned about once (see :func:`looks_unwrapped`)."""
+        if not self._warned_unwrapped and looks_unwrapped(components):
+            self._warned_unwrapped = True
+            sample = ", ".join(repr(name) for name in list(components)[:3])
+            log.warning(
+                "this save has %d components that are single tensors (%s, ...): it looks like "
+                "one state dict passed unwrapped, which stores every tensor as its own component "
+                "(several times slower to save and load). Pass it as one component instead, "
+                "e.g. save(step, {'model': model.state_dict()}). Warned once.",
+                len(components),
+                sample,
+            )
         self._used = set()
         self._from_gpu = False
         flats = {

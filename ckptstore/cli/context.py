@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from ckptstore.manifest.db import Database, resolve_url
-from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.settings import default_db, default_store
+
+if TYPE_CHECKING:
+    from ckptstore.objectstore import ObjectStore
 
 
 class CliContext:
@@ -50,6 +53,10 @@ class CliContext:
     def store(self) -> ObjectStore:
         """The object store, which must exist (a missing directory is not created)."""
         if self._store is None:
+            # Imported here: commands that only read the database never load the store
+            # backends (boto3, numpy).
+            from ckptstore.objectstore import open_store
+
             location = self.args.store if self.args.store is not None else default_store()
             self._store = open_store(location, create=False)
             self._opened.callback(self._store.close)

@@ -6,15 +6,13 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError, SerializationError
 from ckptstore.names import printable
-from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.reader import ComponentReader
+
+if TYPE_CHECKING:
+    from ckptstore.objectstore import ObjectStore
 
 FORMATS = ("safetensors", "torch")
 Progress = Callable[[int], None]
@@ -78,6 +76,12 @@ def export_component(
     store: ObjectStore, index_digest: str, path: Path, fmt: str, *, context: str = ""
 ) -> Path:
     """Write one component to ``path`` in ``fmt``; returns the file written."""
+    # Imported here: the CLI reads FORMATS and checks paths at start-up without torch.
+    import numpy as np
+    import torch
+
+    from ckptstore.serialize.reader import ComponentReader
+
     if fmt not in FORMATS:
         raise ConfigError(f"--format must be one of {FORMATS}, not {fmt!r}")
     reader = ComponentReader(store, index_digest, context=context)

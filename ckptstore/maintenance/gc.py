@@ -25,13 +25,16 @@ import socket
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.errors import GcBusyError
 from ckptstore.manifest import garbage
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import utcnow
-from ckptstore.objectstore import ObjectStore
+
+if TYPE_CHECKING:
+    from ckptstore.objectstore import ObjectStore
 
 __all__ = ["DEFAULT_GRACE", "GcBusyError", "GcReport", "collect_garbage", "gc_lease"]
 

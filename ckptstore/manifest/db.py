@@ -16,13 +16,8 @@ import time
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from alembic.util.exc import CommandError
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
@@ -32,12 +27,20 @@ from ckptstore.errors import ConfigError, DatabaseError, ForeignDatabaseError, S
 from ckptstore.names import printable
 from ckptstore.settings import default_db
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 T = TypeVar("T")
 log = logging.getLogger("ckptstore.manifest")
 
 _PG_MIGRATION_LOCK = 0x636B7074  # "ckpt": advisory lock held while creating a fresh schema
 _BUSY_TIMEOUT_MS = 30_000
 _RETRIES = 8
+
+#: The schema revision this code is written for: the head of the packaged migrations (a test
+#: checks that). Opening a database compares against it with one query, so processes that only
+#: read never import Alembic; creating and upgrading do. Bump it with every new migration.
+SCHEMA_HEAD = "0004"
 
 
 def resolve_url(db: str | Path | None, *, create: bool = True) -> str:
@@ -146,6 +149,8 @@ def redact(url: str) -> str:
 
 
 def _alembic_config(connection: Connection | None = None) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(resources.files("ckptstore._migrations")))
     if connection is not None:
@@ -155,6 +160,8 @@ def _alembic_config(connection: Connection | None = None) -> Config:
 
 def head_revision() -> str:
     """The newest schema revision this ckptstore's migrations define."""
+    from alembic.script import ScriptDirectory
+
     head = ScriptDirectory.from_config(_alembic_config()).get_current_head()
     assert head is not None, "the packaged migrations have no head"
     return head
@@ -178,7 +185,28 @@ def _enable_wal(cursor: Any) -> None:
 
 def known_revisions() -> set[str]:
     """Every schema revision this ckptstore's migrations know."""
+    from alembic.script import ScriptDirectory
+
     return {rev.revision for rev in ScriptDirectory.from_config(_alembic_config()).walk_revisions()}
+
+
+def _read_revision(conn: Connection) -> str | None:
+    """The revision in ``alembic_version`` (None: no table or no row), without Alembic."""
+    if not inspect(conn).has_table("alembic_version"):
+        return None
+    versions = list(conn.execute(text("SELECT version_num FROM alembic_version")).scalars())
+    if len(versions) > 1:
+        raise SchemaError(
+            f"the database's alembic_version holds {len(versions)} revisions "
+            f"({', '.join(sorted(versions))}); ckptstore's schema has one line of history"
+        )
+    return versions[0] if versions else None
+
+
+def _upgrade(conn: Connection, revision: str) -> None:
+    from alembic import command
+
+    command.upgrade(_alembic_config(conn), revision)
 
 
 def _one_line(error: object) -> str:
@@ -267,7 +295,7 @@ class Database:
         """The database's schema revision, or None if it has none."""
         try:
             with self.engine.connect() as conn:
-                return MigrationContext.configure(conn).get_current_revision()
+                return _read_revision(conn)
         except OperationalError as exc:
             raise DatabaseError(
                 f"cannot reach the manifest database {redact(self.url)}: {_one_line(exc.orig)}; "
@@ -277,7 +305,7 @@ class Database:
     def ensure_schema(self) -> None:
         """Create a fresh database at head (unless opened with ``create=False``); refuse an
         out-of-date or unknown one."""
-        head = head_revision()
+        head = SCHEMA_HEAD
         current = self.current_revision()
         if current == head:
             return
@@ -289,9 +317,9 @@ class Database:
                 )
             with self._migration() as conn:
                 # Re-checked under the lock: another process may have created it meanwhile.
-                if MigrationContext.configure(conn).get_current_revision() is None:
+                if _read_revision(conn) is None:
                     self._refuse_foreign(conn)
-                    command.upgrade(_alembic_config(conn), "head")
+                    _upgrade(conn, "head")
             return
         if current not in known_revisions():
             raise SchemaError(
@@ -306,6 +334,8 @@ class Database:
 
     def upgrade(self, revision: str = "head") -> tuple[str | None, str | None]:
         """Migrate to ``revision``; returns (before, after)."""
+        from alembic.util.exc import CommandError
+
         known = known_revisions()
         if revision != "head" and revision not in known:
             raise ConfigError(
@@ -314,7 +344,7 @@ class Database:
             )
         try:
             with self._migration() as conn:
-                before = MigrationContext.configure(conn).get_current_revision()
+                before = _read_revision(conn)
                 if before is None:
                     self._refuse_foreign(conn)
                 elif before not in known_revisions():
@@ -323,7 +353,7 @@ class Database:
                         f"than this ckptstore knows ({head_revision()}); upgrade ckptstore "
                         "instead"
                     )
-                command.upgrade(_alembic_config(conn), revision)
+                _upgrade(conn, revision)
         except CommandError as exc:
             raise SchemaError(f"cannot upgrade {redact(self.url)} to {revision!r}: {exc}") from exc
         return before, self.current_revision()

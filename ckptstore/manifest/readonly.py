@@ -33,15 +33,17 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from ckptstore.errors import ConfigError, DatabaseError
+
+if TYPE_CHECKING:
+    import psycopg
 
 log = logging.getLogger(__name__)
 
@@ -320,6 +322,8 @@ def grants_sql(schema: str) -> str:
 
 
 def _become_reader(cursor: psycopg.Cursor[Any], allow_superuser: bool) -> None:
+    import psycopg  # PostgreSQL only: SQLite queries never load the driver
+
     cursor.execute(_WHO_AM_I)
     row = cursor.fetchone()
     assert row is not None
@@ -369,6 +373,8 @@ def _become_reader(cursor: psycopg.Cursor[Any], allow_superuser: bool) -> None:
 def _postgres(
     url: str, statement: str, timeout: float, allow_superuser: bool
 ) -> tuple[list[str], list[Sequence[Any]]]:
+    import psycopg  # PostgreSQL only: SQLite queries never load the driver
+
     parsed = make_url(url)
     # Keep the URL's own options (a search_path, say) and add read-only on top.
     own = str(parsed.query.get("options", ""))

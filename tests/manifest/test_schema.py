@@ -39,7 +39,14 @@ from sqlalchemy.exc import OperationalError
 
 from ckptstore.cli.main import main as cli_main
 from ckptstore.errors import ConfigError, SchemaError
-from ckptstore.manifest.db import Database, _alembic_config, head_revision, redact, resolve_url
+from ckptstore.manifest.db import (
+    SCHEMA_HEAD,
+    Database,
+    _alembic_config,
+    head_revision,
+    redact,
+    resolve_url,
+)
 from ckptstore.manifest.models import Base
 
 #: Every migration, oldest first. A new migration is appended here (and the snapshots rewritten).
@@ -296,6 +303,8 @@ def test_migrations_form_one_linear_history_ending_at_head() -> None:
         "a new migration: append it to REVISIONS here and rewrite the schema snapshots"
     )
     assert head_revision() == HEAD
+    # Opening a database compares with this constant (no Alembic import): bump it too.
+    assert SCHEMA_HEAD == HEAD, "set ckptstore.manifest.db.SCHEMA_HEAD to the new head"
     chain = [rev.revision for rev in scripts.walk_revisions("base", "heads")]
     assert chain == list(reversed(REVISIONS))
     assert scripts.get_revision(HEAD).down_revision == PREVIOUS_HEAD

@@ -1112,7 +1112,9 @@ def test_a_postgresql_password_never_leaks(
     finally:
         scanner.report(reliability_report)
     assert scanner.leaks == [], scanner.summary()
-    assert scanner.texts > 100
+    # Outputs, errors, tracebacks and log records (opening a database no longer goes through
+    # Alembic, whose INFO lines used to add a few).
+    assert scanner.texts > 80
 
 
 # -- 6. actionable one-line errors -----------------------------------------------------------------

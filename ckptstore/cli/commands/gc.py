@@ -12,8 +12,7 @@ from ckptstore.cli.output import emit, human_bytes, progress
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
-from ckptstore.maintenance import GcReport, collect_garbage
-from ckptstore.maintenance.gc import DEFAULT_GRACE
+from ckptstore.maintenance.gc import DEFAULT_GRACE, GcReport, collect_garbage
 
 
 def register(

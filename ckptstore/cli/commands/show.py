@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptstore.cli.args import parse_target
 from ckptstore.cli.context import CliContext
@@ -14,8 +14,9 @@ from ckptstore.cli.protocol import Subparsers
 from ckptstore.manifest import reads
 from ckptstore.manifest.records import CheckpointInfo, as_dict, field_names
 from ckptstore.names import printable
-from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.reader import ComponentReader
+
+if TYPE_CHECKING:
+    from ckptstore.objectstore import ObjectStore
 
 COMPONENT_COLUMNS = (
     Column("component", "name"),
@@ -63,6 +64,8 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
 
 def _entries(store: ObjectStore, info: CheckpointInfo) -> dict[str, list[dict[str, Any]]]:
     """Component name -> its entries, from each component's index."""
+    from ckptstore.serialize.reader import ComponentReader  # torch: only for --entries
+
     found = {}
     for comp in info.components:
         found[comp.name] = [

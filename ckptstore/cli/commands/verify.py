@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ckptstore.cli.args import DIGITS, parse_target
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK, EXIT_PROBLEMS
 from ckptstore.cli.output import emit, human_bytes, jsonable, progress, quoted
 from ckptstore.cli.protocol import Subparsers
-from ckptstore.maintenance import VerifyReport, verify
 from ckptstore.manifest import reads
 from ckptstore.names import printable
+
+if TYPE_CHECKING:
+    from ckptstore.maintenance import VerifyReport
 
 
 def register(
@@ -40,6 +43,8 @@ def register(
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     """Verify; exit 1 if any problem remains."""
+    from ckptstore.maintenance import verify  # torch: imported only by this command
+
     name, step = parse_target(args.target) if args.target is not None else (None, None)
     if name is not None:
         reads.require_run(ctx.db, name)  # a typo is an error, not "0 checkpoints: OK"

@@ -1,0 +1,92 @@
+"""The CLI's read commands start without the heavy imports: a command that only reads the
+manifest database loads neither torch nor numpy (nor boto3, zstandard or, but for ``db``,
+Alembic), so ``ckptstore latest
+RUN`` costs an interpreter and SQLAlchemy, not a deep-learning framework."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore.checkpointer import open_run
+
+HEAVY = ("torch", "numpy", "boto3", "alembic", "zstandard")
+
+# Runs the command in a fresh interpreter and reports its exit code, output and what it loaded.
+PROBE = """
+import contextlib, io, json, sys
+from ckptstore.cli.main import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    code = main(sys.argv[1:])
+heavy = [m for m in {heavy!r} if m in sys.modules]
+print(json.dumps({{"code": code, "out": out.getvalue(), "heavy": heavy}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    root = tmp_path_factory.mktemp("startup")
+    db, store = str(root / "manifest.db"), str(root / "store")
+    with open_run("r", db=db, store=store, async_save=False) as run:
+        run.save(1, {"model": {"w": torch.ones(4)}}, metrics={"loss": 1.0})
+        run.save(2, {"model": {"w": torch.zeros(4)}}, metrics={"loss": 0.5})
+    return db, store
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["latest", "r"],
+        ["runs"],
+        ["ls", "r"],
+        ["show", "r@2"],
+        ["show", "r", "--json"],
+        ["sql", "SELECT step FROM checkpoints ORDER BY step"],
+        ["du"],
+        ["db", "current"],
+    ],
+)
+def test_read_commands_import_neither_torch_nor_numpy(
+    saved: tuple[str, str], tmp_path: Path, command: list[str]
+) -> None:
+    db, store = saved
+    probe = PROBE.format(heavy=HEAVY)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, "--db", db, "--store", store, *command],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0, report
+    assert report["out"].strip(), "the command printed nothing"
+    # `db` reads the packaged migrations, which is Alembic's job.
+    allowed = {"alembic"} if command[0] == "db" else set()
+    assert set(report["heavy"]) <= allowed, f"{command[0]} imported {report['heavy']}"
+    if command == ["latest", "r"]:
+        assert report["out"].strip() == "2"
+
+
+def test_the_probe_would_see_a_heavy_import(saved: tuple[str, str], tmp_path: Path) -> None:
+    # verify reads blobs, so it loads numpy and torch: the probe notices.
+    db, store = saved
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(heavy=HEAVY), "--db", db, "--store", store, "verify"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["code"] == 0, report
+    assert "numpy" in report["heavy"]
