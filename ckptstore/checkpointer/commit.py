@@ -7,8 +7,9 @@ A save is this sequence of calls; every participant sees only its own part:
 2. (background) :func:`run_save` inserts the ``pending`` row with the writer's epoch.
 3. (background, and in any worker holding shards) each component is chunked, hashed, deduplicated
    against live blobs, compressed and uploaded; each yields a small ``ShardReceipt`` (component,
-   index digest, the blobs it references, byte counts). Workers never need database access;
-   they hand their receipts to the process that commits.
+   index digest, the blobs it references, byte counts), after one batched ``store.flush()``
+   makes its objects durable. Workers never need database access; they hand their receipts to
+   the process that commits.
 4. (background) :func:`commit`: the receipts become blob claims and component rows, and one
    transaction checks the writer epoch (``FencedError`` for a stale writer), checks in the store
    every blob that is not a live row while holding the GC lock, records blobs, references and
@@ -92,6 +93,9 @@ def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
             for name, flat in request.flats.items()
         ]
         request.flats.clear()  # the snapshot's views are no longer needed
+        # Durability before the commit (step 3): one batched flush of what this save wrote.
+        # Workers' receipts arrive already flushed (ShardWriter flushes before handing them).
+        writer.store.flush()
         receipts.extend(request.receipts)
         info, revived = commit(writer, checkpoint_id, request, receipts)
     except Exception as exc:

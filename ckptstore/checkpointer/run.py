@@ -113,7 +113,8 @@ class Run:
         self._queue.wait_previous()
         request = commit.SaveRequest(
             step=step,
-            flats=self._snapshotter.take(components),
+            # A synchronous save stores straight from the caller's tensors (it waits anyway).
+            flats=self._snapshotter.take(components, copy=self.async_save),
             receipts=receipts,
             training_info=plain_json(training_info, "training_info"),
             metrics=plain_json(metrics, "metrics"),

@@ -136,6 +136,7 @@ class ShardWriter:
         upload_started = time.perf_counter()
         self._writer.forget()
         result = write_component(self._writer, state)
+        self.store.flush()  # a receipt promises durable objects: the commit relies on it
         ended = time.perf_counter()
         return ShardReceipt(
             component, result, kind, started_at, ended - started, ended - upload_started
@@ -230,6 +231,7 @@ class ShardWriter:
             result = write_flat(self._writer, flat)
             upload = time.perf_counter() - began
             receipts.append(ShardReceipt(name, result, kind_of[name], started_at, blocked, upload))
+        self.store.flush()  # a receipt promises durable objects: the commit relies on it
         return receipts
 
 

@@ -45,9 +45,13 @@ class Snapshotter:
         self._from_gpu = False
         self._warned_unwrapped = False
 
-    def take(self, components: Mapping[str, Any]) -> dict[str, FlatState]:
+    def take(self, components: Mapping[str, Any], *, copy: bool = True) -> dict[str, FlatState]:
         """Flatten and copy every component. Unsupported values raise here, naming the path.
-        Hundreds of bare-tensor components are warned about once (see :func:`looks_unwrapped`)."""
+        Hundreds of bare-tensor components are warned about once (see :func:`looks_unwrapped`).
+
+        ``copy=False`` (a synchronous save, whose caller waits until the bytes are stored):
+        the leaves view the tensors' own memory (GPU tensors are still copied to the host) and
+        no buffer is kept -- no copy, and no second copy of the state held between saves."""
         if not self._warned_unwrapped and looks_unwrapped(components):
             self._warned_unwrapped = True
             sample = ", ".join(repr(name) for name in list(components)[:3])
@@ -59,6 +63,9 @@ class Snapshotter:
                 len(components),
                 sample,
             )
+        if not copy:
+            self._buffers.clear()
+            return {name: flatten_state(state) for name, state in components.items()}
         self._used = set()
         self._from_gpu = False
         flats = {

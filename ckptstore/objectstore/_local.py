@@ -1,8 +1,12 @@
 """LocalStore: objects as files under a root directory.
 
-Writes go to a temporary file in the destination directory, are fsynced, then linked into place
+Writes go to a temporary file in the destination directory, then are linked into place
 (``link`` fails if the key exists, which makes the create idempotent and race-free between
-processes), and the directory is fsynced so the new name survives a power cut.
+processes). Durability is batched: each put remembers its file and directory, and ``flush()``
+(called before a commit references the objects) fsyncs them all in parallel -- the files, then
+the directories whose entries changed -- so the objects and their names survive a power cut.
+A key found already present is flushed too: another process may have written it and not yet
+flushed it.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -46,7 +52,8 @@ class LocalStore(ObjectStore):
 
         Args:
             root: The store's directory.
-            fsync: Flush every new object and directory entry to disk.
+            fsync: Make objects and directory entries durable at :meth:`flush` (False: leave
+                it to the operating system, for scratch stores and tests).
             create: Make ``root`` (and its parents) if it is missing. Without it a missing
                 ``root`` is a :class:`ConfigError` and nothing is created, so a mistyped path
                 given to a read-only tool leaves no trace.
@@ -58,6 +65,10 @@ class LocalStore(ObjectStore):
                 f"invalid local store path '{printable(os.fspath(root))}': {exc}"
             ) from exc
         self._fsync = fsync
+        # Files and directories written (or found) since the last flush.
+        self._unsynced: set[Path] = set()
+        self._unsynced_dirs: set[Path] = set()
+        self._sync_lock = threading.Lock()
         where = printable(self.root)
         try:
             if create:
@@ -91,7 +102,8 @@ class LocalStore(ObjectStore):
         return ObjectStoreError(f"{action} {self.url}/{key} failed: {exc.strerror or exc}")
 
     def put(self, key: str, data: PutData) -> bool:
-        """Create ``key`` with ``data`` (an existing key is success); True if this call made it."""
+        """Create ``key`` with ``data`` (an existing key is success); True if this call made it.
+        Durable after :meth:`flush`."""
         path = self._path(key)
         if path.exists():
             if path.is_dir():
@@ -100,6 +112,7 @@ class LocalStore(ObjectStore):
                     f"writing {self.url}/{key} failed: a directory of that name holds other "
                     "objects; in a local store a key cannot also be a prefix of other keys"
                 )
+            self._defer(path)
             return False
         parts = as_parts(data)
         self._makedirs(path.parent)
@@ -108,18 +121,44 @@ class LocalStore(ObjectStore):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, parts)
-                if self._fsync:
-                    os.fsync(fd)
             finally:
                 os.close(fd)
             created = _link_no_replace(tmp, path)
-            if created:
-                self._fsync_dir(path.parent)
+            self._defer(path)
             return created
         except OSError as exc:
             raise self._error("writing", key, exc) from exc
         finally:
             _unlink_quietly(tmp)
+
+    def flush(self) -> None:
+        """fsync, in parallel, every file put since the last flush, then their directories."""
+        if not self._fsync:
+            return
+        with self._sync_lock:
+            files, dirs = self._unsynced, self._unsynced_dirs
+            self._unsynced, self._unsynced_dirs = set(), set()
+        if not files and not dirs:
+            return
+        try:
+            with ThreadPoolExecutor(min(16, max(1, len(files)))) as pool:
+                list(pool.map(_fsync_path, files))
+                # Directories after their files: a name must never outlive its data.
+                list(pool.map(_fsync_path, dirs))
+        except OSError as exc:
+            with self._sync_lock:  # a later flush tries them again
+                self._unsynced |= files
+                self._unsynced_dirs |= dirs
+            raise ObjectStoreError(
+                f"flushing {len(files)} objects to disk under {self.url} failed: "
+                f"{exc.strerror or exc}"
+            ) from exc
+
+    def _defer(self, path: Path) -> None:
+        if self._fsync:
+            with self._sync_lock:
+                self._unsynced.add(path)
+                self._unsynced_dirs.add(path.parent)
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
         """The object's bytes (or ``byte_range`` of them)."""
@@ -244,16 +283,22 @@ class LocalStore(ObjectStore):
             directory.mkdir()
         except FileExistsError:
             return
-        self._fsync_dir(directory.parent)
+        if self._fsync:  # the new directory's name, made durable at the next flush
+            with self._sync_lock:
+                self._unsynced_dirs.add(directory.parent)
 
-    def _fsync_dir(self, directory: Path) -> None:
-        if not self._fsync:
-            return
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or directory; one that is gone (deleted since) has nothing to make
+    durable -- a commit's existence checks catch a missing object."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_path(url: StoreURL, *, create: bool, **options: Any) -> LocalStore:

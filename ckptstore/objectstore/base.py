@@ -102,8 +102,14 @@ class ObjectStore(abc.ABC):
         """Create ``key`` with ``data`` unless it already exists.
 
         Returns True if this call wrote the object, False if it already existed. The object is
-        either absent or complete, never partially visible.
+        either absent or complete, never partially visible. It need not be durable before
+        :meth:`flush`.
         """
+
+    def flush(self) -> None:  # noqa: B027 - a store whose puts are durable has nothing to do
+        """Make every object this instance has put (or found existing) since the last flush
+        durable. A commit that references objects calls this first (DESIGN.md §7): durability
+        costs one batched flush per save, not a sync per object. Raises ObjectStoreError."""
 
     @abc.abstractmethod
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
