@@ -113,6 +113,18 @@ class StoreTests(Generic[F]):
         assert self.raw_get(factory, "cas/ab/abcdef") == data
         assert self.raw_keys(factory) == {"cas/ab/abcdef"}
 
+    def test_flush_keeps_objects_and_can_repeat(self, store: ObjectStore, factory: F) -> None:
+        """``flush`` (durability before a commit) changes no object, with or without puts."""
+        store.flush()  # nothing put yet
+        data = pattern(5000, seed=2)
+        assert store.put("cas/ab/flushed", data) is True
+        assert store.put("cas/ab/flushed", b"other") is False
+        store.flush()
+        store.flush()
+        assert store.get("cas/ab/flushed") == data
+        assert self.raw_get(factory, "cas/ab/flushed") == data
+        assert self.raw_keys(factory) == {"cas/ab/flushed"}
+
     def test_object_stored_by_another_writer_is_read(self, store: ObjectStore, factory: F) -> None:
         """An object written without this store is read, listed and never overwritten."""
         data = pattern(3000, seed=4)
