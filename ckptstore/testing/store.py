@@ -30,6 +30,7 @@ subclass adds its backend's own tests next to the inherited ones.
 
 from __future__ import annotations
 
+import abc
 import array
 import threading
 import time
@@ -71,8 +72,11 @@ BAD_KEYS = [
 ]
 
 
-class StoreTests(Generic[F]):
-    """Behaviour every :class:`ObjectStore` must have. Subclass once per backend."""
+class StoreTests(abc.ABC, Generic[F]):
+    """Behaviour every :class:`ObjectStore` must have. Subclass once per backend: define the
+    ``factory`` fixture (a factory over a fresh, empty location; without it pytest reports
+    "fixture 'factory' not found") and the three ``raw_*`` methods (abstract: a subclass that
+    lacks one cannot be instantiated, so its tests fail instead of passing vacuously)."""
 
     #: Options for a store that uploads big objects in parts (a backend ignores what it lacks).
     multipart_options: ClassVar[dict[str, Any]] = MULTIPART_OPTIONS
@@ -80,26 +84,21 @@ class StoreTests(Generic[F]):
     race_writers: ClassVar[int] = 16
 
     @pytest.fixture
-    def factory(self) -> F:
-        """A factory over a fresh, empty location; each backend's test class overrides it."""
-        raise NotImplementedError("override the factory fixture in the backend's test class")
-
-    @pytest.fixture
     def store(self, factory: F) -> ObjectStore:
         """A store over the factory's location."""
         return factory()
 
+    @abc.abstractmethod
     def raw_get(self, factory: F, key: str) -> bytes | None:
         """The stored bytes of ``key`` read without the store, or None if absent."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def raw_put(self, factory: F, key: str, data: bytes) -> None:
         """Store ``data`` as ``key`` without the store, as another writer would have."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def raw_keys(self, factory: F) -> set[str]:
         """Every stored name under the store's root (keys relative to it), temp files included."""
-        raise NotImplementedError
 
     # -- put / get ----------------------------------------------------------------------------
 
