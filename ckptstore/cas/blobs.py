@@ -74,6 +74,7 @@ def put_blob(
         except ObjectNotFoundError:
             pass
         else:
+            store.adopt(key)  # maybe another process's, not yet durable: this save flushes it
             return BlobRef(digest, kind, None, view.nbytes, info.size, uploaded=False)
     header, payload = encode_object(
         view, digest, kind, itemsize=itemsize, float_like=float_like, threshold=threshold
@@ -136,6 +137,7 @@ def quarantine_blob(store: ObjectStore, digest: str, *, now: float | None = None
         return False
     stamp = int(now if now is not None else time.time())
     store.put(f"quarantine/{digest[3:]}-{stamp}", damaged)
+    store.flush()  # the copy is durable before the original goes
     store.delete([key])
     return True
 

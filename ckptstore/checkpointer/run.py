@@ -5,7 +5,6 @@ protocol (``commit.py``), the one-save-in-flight queue (``handle.py``) and loadi
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,8 +25,6 @@ from ckptstore.manifest.models import Trigger
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.names import check_component_name, check_kind, check_step
 from ckptstore.objectstore import ObjectStore
-
-log = logging.getLogger("ckptstore.checkpointer")
 
 
 class Run:

@@ -5,8 +5,8 @@ Writes go to a temporary file in the destination directory, then are linked into
 processes). Durability is batched: each put remembers its file and directory, and ``flush()``
 (called before a commit references the objects) fsyncs them all in parallel -- the files, then
 the directories whose entries changed -- so the objects and their names survive a power cut.
-A key found already present is flushed too: another process may have written it and not yet
-flushed it.
+A key found already present (by ``put``, or by a writer that ``adopt``s it after a HEAD) is
+flushed too: another process may have written it and not yet flushed it.
 """
 
 from __future__ import annotations
@@ -69,6 +69,9 @@ class LocalStore(ObjectStore):
         self._unsynced: set[Path] = set()
         self._unsynced_dirs: set[Path] = set()
         self._sync_lock = threading.Lock()
+        # Held for a whole flush: a second flush waits until the first one's fsyncs are done,
+        # so no flush returns while objects it must cover are still being synced.
+        self._flush_lock = threading.Lock()
         where = printable(self.root)
         try:
             if create:
@@ -132,33 +135,44 @@ class LocalStore(ObjectStore):
             _unlink_quietly(tmp)
 
     def flush(self) -> None:
-        """fsync, in parallel, every file put since the last flush, then their directories."""
+        """fsync, in parallel, every file put or adopted since the last flush, then their
+        directories."""
+        if not self._fsync:
+            return
+        with self._flush_lock:
+            with self._sync_lock:
+                files, dirs = self._unsynced, self._unsynced_dirs
+                self._unsynced, self._unsynced_dirs = set(), set()
+            if not files and not dirs:
+                return
+            try:
+                with ThreadPoolExecutor(min(16, max(1, len(files)))) as pool:
+                    list(pool.map(_fsync_path, files))
+                    # Directories after their files: a name must never outlive its data.
+                    list(pool.map(_fsync_path, dirs))
+            except OSError as exc:
+                with self._sync_lock:  # a later flush tries them again
+                    self._unsynced |= files
+                    self._unsynced_dirs |= dirs
+                raise ObjectStoreError(
+                    f"flushing {len(files)} objects to disk under {self.url} failed: "
+                    f"{exc.strerror or exc}"
+                ) from exc
+
+    def adopt(self, key: str) -> None:
+        """Flush ``key`` (found already stored) at the next :meth:`flush` too."""
+        self._defer(self._path(key))
+
+    def _defer(self, path: Path | None = None, *, directory: Path | None = None) -> None:
+        """Remember a file (and its directory) or a directory whose entries changed."""
         if not self._fsync:
             return
         with self._sync_lock:
-            files, dirs = self._unsynced, self._unsynced_dirs
-            self._unsynced, self._unsynced_dirs = set(), set()
-        if not files and not dirs:
-            return
-        try:
-            with ThreadPoolExecutor(min(16, max(1, len(files)))) as pool:
-                list(pool.map(_fsync_path, files))
-                # Directories after their files: a name must never outlive its data.
-                list(pool.map(_fsync_path, dirs))
-        except OSError as exc:
-            with self._sync_lock:  # a later flush tries them again
-                self._unsynced |= files
-                self._unsynced_dirs |= dirs
-            raise ObjectStoreError(
-                f"flushing {len(files)} objects to disk under {self.url} failed: "
-                f"{exc.strerror or exc}"
-            ) from exc
-
-    def _defer(self, path: Path) -> None:
-        if self._fsync:
-            with self._sync_lock:
+            if path is not None:
                 self._unsynced.add(path)
                 self._unsynced_dirs.add(path.parent)
+            if directory is not None:
+                self._unsynced_dirs.add(directory)
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
         """The object's bytes (or ``byte_range`` of them)."""
@@ -283,9 +297,7 @@ class LocalStore(ObjectStore):
             directory.mkdir()
         except FileExistsError:
             return
-        if self._fsync:  # the new directory's name, made durable at the next flush
-            with self._sync_lock:
-                self._unsynced_dirs.add(directory.parent)
+        self._defer(directory=directory.parent)  # the new name, durable at the next flush
 
 
 def _fsync_path(path: Path) -> None:

@@ -106,10 +106,16 @@ class ObjectStore(abc.ABC):
         :meth:`flush`.
         """
 
+    def adopt(self, key: str) -> None:  # noqa: B027 - a store whose puts are durable
+        """This writer will reference ``key``, which it found already stored (maybe written by
+        another process that has not flushed yet): make it durable at the next :meth:`flush`
+        too."""
+
     def flush(self) -> None:  # noqa: B027 - a store whose puts are durable has nothing to do
-        """Make every object this instance has put (or found existing) since the last flush
-        durable. A commit that references objects calls this first (DESIGN.md §7): durability
-        costs one batched flush per save, not a sync per object. Raises ObjectStoreError."""
+        """Make every object this instance has put or adopted since the last flush durable
+        (and, when another thread's flush is running, wait for it). A commit that references
+        objects calls this first (DESIGN.md §7): durability costs one batched flush per save,
+        not a sync per object. Raises ObjectStoreError."""
 
     @abc.abstractmethod
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
+from ckptstore.cas import blob_key
+from ckptstore.cas.blobs import put_blob
+from ckptstore.cas.header import Kind
 from ckptstore.errors import ObjectStoreError
 from ckptstore.objectstore import LocalStore
 
@@ -94,3 +98,48 @@ def test_an_object_deleted_before_the_flush_is_skipped(tmp_path: Path, synced: l
     store.delete(["a/b"])
     store.flush()  # nothing to make durable; the commit's existence check catches a gap
     assert str(store.root / "a/b") not in synced
+
+
+def test_a_blob_found_stored_by_head_is_adopted_and_flushed(
+    tmp_path: Path, synced: list[str]
+) -> None:
+    # The save path skips a stored blob after a HEAD, without a put: it must still be flushed.
+    writer = LocalStore(tmp_path / "s")
+    first = put_blob(writer, b"payload" * 100, Kind.CHUNK)
+    synced.clear()
+    other = LocalStore(tmp_path / "s")
+    again = put_blob(other, b"payload" * 100, Kind.CHUNK)
+    assert again.uploaded is False
+    other.flush()
+    assert str(other.root / blob_key(first.digest)) in synced
+
+
+def test_a_flush_waits_for_one_already_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two writers share a store: the second flush must not return while the first one is
+    # still syncing files the second one's commit relies on.
+    store = LocalStore(tmp_path / "s")
+    store.put("a/one", b"1")
+    real = os.fsync
+    started, release = threading.Event(), threading.Event()
+    done: list[str] = []
+
+    def slow(fd: int) -> None:
+        started.set()
+        release.wait(10)
+        real(fd)
+        done.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", slow)
+    first = threading.Thread(target=store.flush)
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=store.flush)
+    second.start()
+    second.join(0.3)
+    assert second.is_alive(), "the second flush returned while the first was still syncing"
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert str(store.root / "a/one") in done
