@@ -223,9 +223,9 @@ class TrainerCheckpointer:
         if self.run.latest() is not None:
             loaded = self.run.load()
         elif self.fork_parent is not None:
-            name = self.fork_parent[0]
+            name, step = self.fork_parent
             with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
-                loaded = parent.load()
+                loaded = parent.load(step)  # the step the fork's lineage records
         else:
             self.emit(f"new run {self.run_name!r} (forked from {self.base_name!r})")
             return None
@@ -238,15 +238,17 @@ class TrainerCheckpointer:
 
     # -- saving -------------------------------------------------------------------------------
 
-    def trigger(self, step: int, step_seconds: list[float], last: bool) -> tuple[str | None, bool]:
+    def trigger(
+        self, step: int, mean_step_seconds: float | None, last: bool
+    ) -> tuple[str | None, bool]:
         """(trigger, stop): whether to save after ``step``, and whether the time budget ends
         the run. Saves at multiples of save_period are "period" saves, whatever else fired."""
         if not self.enabled:
             return None, False
         timeout = False
-        if self.budget is not None and not self.deadline_fired and step_seconds:
+        if self.budget is not None and not self.deadline_fired and mean_step_seconds is not None:
             elapsed = time.time() - self.process_start
-            if elapsed + sum(step_seconds) / len(step_seconds) >= self.budget:
+            if elapsed + mean_step_seconds >= self.budget:
                 self.deadline_fired = timeout = True
         if step % self.ck.save_period == 0:
             return "period", timeout
@@ -274,7 +276,9 @@ class TrainerCheckpointer:
         assert self._buffer_writer is not None
         writer = self._buffer_writer
         buffer = await asyncio.to_thread(
-            writer.save, {"replay_buffer": buffer_state}, kinds={"replay_buffer": "replay_buffer"}
+            writer.save,
+            {"replay_buffer": buffer_state},
+            kinds={"replay_buffer": KINDS["replay_buffer"]},
         )
         blocked = time.perf_counter() - began
         self.pending = PendingSave(

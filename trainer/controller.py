@@ -24,7 +24,7 @@ from trainer import actors
 from trainer.checkpointing import TrainerCheckpointer
 from trainer.config import TrainerConfig
 from trainer.data import PromptStream
-from trainer.errors import ConfigurationError, ResumeError, RolloutError, TrainerError
+from trainer.errors import ConfigurationError, ResumeError, RolloutError
 from trainer.ledger import Batch, Entry, Prompt, PromptLedger
 from trainer.policy import Policy, supervised_warmup
 from trainer.replay import Group, ReplayBuffer, ReplayBufferError
@@ -38,7 +38,7 @@ log = logging.getLogger("trainer")
 #: Rollouts that may fail in a row (their prompts are dispatched again) before training stops.
 MAX_ROLLOUT_FAILURES = 3
 
-__all__ = ["Controller", "TrainerError"]
+__all__ = ["Controller"]
 
 
 class Controller:
@@ -88,7 +88,8 @@ class Controller:
         self.stopped_early = False
         self.rollout_tasks: set[asyncio.Task[None]] = set()
         self.history: list[dict[str, Any]] = []
-        self.step_seconds: list[float] = []
+        #: Seconds of all train steps so far, and how many (the deadline uses their mean).
+        self.step_seconds_total = 0.0
         self.resumed_from: int | None = None
         self.policy: Any = None
 
@@ -342,6 +343,11 @@ class Controller:
             and self.ledger.inflight + self.prompts_per_step <= max_inflight
         )
 
+    def _mean_step_seconds(self) -> float | None:
+        """The mean train-step time of this process so far (None before its first step)."""
+        done = self.train_steps - (self.resumed_from or 0)
+        return self.step_seconds_total / done if done > 0 else None
+
     async def _rollout_pump(self) -> None:
         worker = 0
         while not self.stop:
@@ -501,7 +507,7 @@ class Controller:
                 "prompt_ids": [g.prompt_id for g in groups],
             }
         )
-        self.step_seconds.append(time.perf_counter() - started)
+        self.step_seconds_total += time.perf_counter() - started
         await self._notify()
         save_note = await self._checkpoint(reward)
         if self.train_steps % self.cfg.logger.print_every == 0 or save_note:
@@ -527,7 +533,7 @@ class Controller:
         checkpointer.report()
         drained = self.exhausted and self.ledger.inflight == 0 and not self.buffer.ready_groups()
         last = self.train_steps >= self.max_steps or drained
-        trigger, stop = checkpointer.trigger(self.train_steps, self.step_seconds, last)
+        trigger, stop = checkpointer.trigger(self.train_steps, self._mean_step_seconds(), last)
         if trigger is None:
             return ""
         metric = self.cfg.checkpointing.metric_name

@@ -189,11 +189,6 @@ class PromptStream:
         """Completed passes over the data (0 during the first)."""
         return self._epoch
 
-    @property
-    def batches_per_epoch(self) -> int:
-        """Full batches in one pass (the last partial batch is dropped)."""
-        return len(self.sampler) // self.batch_size
-
     def next_batch(self) -> torch.Tensor | None:
         """The next batch's prompt ids (int64), or None once ``max_epochs`` passes are done."""
         while self._epoch < self.max_epochs:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from sqlalchemy import create_engine, text
 
+from ckptstore.cas import blob_key
 from ckptstore.checkpointer import ShardWriter, open_run
 from ckptstore.objectstore import LocalStore
 
@@ -20,6 +21,8 @@ class RecordingStore(LocalStore):
         super().__init__(root)
         self.db = db
         self.seen: list[list[tuple[int, str]]] = []
+        #: The files each flush was to make durable.
+        self.flushed: list[set[Path]] = []
 
     def flush(self) -> None:
         engine = create_engine(f"sqlite:///{self.db}")
@@ -29,6 +32,7 @@ class RecordingStore(LocalStore):
                 self.seen.append([(r.step, r.status) for r in rows])
         finally:
             engine.dispose()
+        self.flushed.append(set(self._unsynced))
         super().flush()
 
 
@@ -40,6 +44,23 @@ def test_a_save_flushes_before_its_commit(tmp_path: Path) -> None:
         run.save(2, {"w": {"t": torch.zeros(8)}})
     # At each flush the save's row exists and is still pending: nothing visible yet.
     assert store.seen == [[(1, "pending")], [(1, "committed"), (2, "pending")]]
+    # ... and the flush covers every object the save references.
+    engine = create_engine(f"sqlite:///{db}")
+    try:
+        with engine.connect() as conn:
+            for step in (1, 2):
+                digests = conn.execute(
+                    text(
+                        "SELECT b.digest FROM checkpoint_blobs b JOIN checkpoints c "
+                        "ON c.id = b.checkpoint_id WHERE c.step = :step"
+                    ),
+                    {"step": step},
+                ).scalars()
+                files = {store.root / blob_key(d) for d in digests}
+                assert files
+                assert files <= store.flushed[step - 1], step
+    finally:
+        engine.dispose()
 
 
 def test_shard_receipts_come_after_the_flush(tmp_path: Path) -> None:
@@ -51,6 +72,9 @@ def test_shard_receipts_come_after_the_flush(tmp_path: Path) -> None:
         pending = writer.save({"policy": {"w": torch.ones(8)}})
         receipts = pending.receipts()
         assert store.seen == [[]]  # flushed once, before the receipts were handed out
+        referenced = {store.root / blob_key(b.digest) for r in receipts for b in r.result.blobs}
+        assert referenced
+        assert referenced <= store.flushed[0]
         writer.write("optimizer", {"m": torch.ones(2)})
         assert len(store.seen) == 2
     with open_run("r", db=db, store=store, async_save=False) as run:

@@ -60,16 +60,22 @@ def _uninterrupted(root: Path, sampler: str) -> dict[int, list[int]]:
     return trace
 
 
-def _resume(root: Path, sampler: str) -> dict[int, list[int]]:
+def _resume(root: Path, sampler: str, from_step: int) -> dict[int, list[int]]:
     summary, lines = train(_config(root, sampler))
     assert summary["train_steps"] == STEPS
-    assert any(line.startswith("resumed run 't' from step") for line in lines), lines
+    assert any(line.startswith(f"resumed run 't' from step {from_step}:") for line in lines), lines
     return trained_prompts(root / "trace.jsonl")
 
 
-def _command(root: Path, sampler: str, backend: str) -> list[str]:
+KILL_CHILD = Path(__file__).with_name("kill_child.py")
+
+
+def _command(root: Path, sampler: str, backend: str, *pause: str) -> list[str]:
+    """The trainer's command; with ``pause`` (MODE, STEP) run through kill_child.py, which
+    stops that save at that point and prints a KILL-POINT line."""
     settings = _settings(root, sampler, backend=backend)
-    return [sys.executable, "-m", "trainer.grpo", *small_overrides(root, **settings)]
+    entry = [str(KILL_CHILD), *pause] if pause else ["-m", "trainer.grpo"]
+    return [sys.executable, *entry, *small_overrides(root, **settings)]
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -82,11 +88,11 @@ def _env(root: Path) -> dict[str, str]:
     )
 
 
-def _kill_at(root: Path, sampler: str, marker: str, backend: str = "local") -> str:
+def _kill_at(root: Path, command: list[str], marker: str) -> str:
     """Run the trainer in a child process (its own process group, so that Ray's processes
     go too) and SIGKILL the group when a printed line matches."""
     child = subprocess.Popen(
-        _command(root, sampler, backend),
+        command,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -138,18 +144,20 @@ def _check_budget(root: Path, sampler: str, expected: dict[int, list[int]]) -> N
     )
     assert cut["stopped_early"], lines
     assert cut["train_steps"] == 1, lines
-    _assert_same(expected, _resume(root, sampler))
+    _assert_same(expected, _resume(root, sampler, from_step=1))
 
 
 def _check_kill_after_commit(root: Path, sampler: str, expected: dict[int, list[int]]) -> None:
-    _kill_at(root, sampler, r"^saved step 2 ")
-    _assert_same(expected, _resume(root, sampler))
+    # Killed once step 2's checkpoint is committed (training has gone on meanwhile).
+    _kill_at(root, _command(root, sampler, "local", "after_commit", "2"), r"^KILL-POINT")
+    _assert_same(expected, _resume(root, sampler, from_step=2))
 
 
 def _check_kill_during_save(root: Path, sampler: str, expected: dict[int, list[int]]) -> None:
-    # Printed right after the snapshot, while the shards upload (the commit comes later).
-    _kill_at(root, sampler, r"^step\s+4 \|.*\| save \(period\)")
-    _assert_same(expected, _resume(root, sampler))
+    # Killed with step 4's objects uploaded and its row pending: it never becomes visible,
+    # and the run resumes from step 2.
+    _kill_at(root, _command(root, sampler, "local", "during_save", "4"), r"^KILL-POINT")
+    _assert_same(expected, _resume(root, sampler, from_step=2))
 
 
 CHECKS = {
@@ -190,11 +198,13 @@ def test_resumed_run_trains_the_same_prompts(
 def test_resumed_run_on_ray_trains_the_same_prompts(
     tmp_path: Path, baselines: dict[str, dict[int, list[int]]]
 ) -> None:
-    # The default sampler through the real command on Ray: SIGKILL while step 4's shards
-    # upload, then resume. The prompt order does not depend on the backend, so the in-process
-    # uninterrupted run is the reference.
+    # The default sampler through the real command on Ray, SIGKILLed mid-run (once step 4 is
+    # printed: Ray forwards output in batches, so the kill lands a few steps later; saves run
+    # inside the controller actor, out of kill_child.py's reach), then resumed. The prompt
+    # order does not depend on the backend, so the in-process uninterrupted run is the
+    # reference.
     expected = baselines["windowed"]
-    _kill_at(tmp_path, "windowed", r"^step\s+4 \|.*\| save \(period\)", backend="ray")
+    _kill_at(tmp_path, _command(tmp_path, "windowed", "ray"), r"^step\s+4 \|")
     resumed = subprocess.run(
         _command(tmp_path, "windowed", "ray"),
         env=_env(tmp_path),
@@ -204,7 +214,9 @@ def test_resumed_run_on_ray_trains_the_same_prompts(
         check=False,
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert "resumed run 't' from step" in resumed.stdout
+    found = re.search(r"^resumed run 't' from step (\d+):", resumed.stdout, re.M)
+    assert found, resumed.stdout
+    assert 2 <= int(found.group(1)) < STEPS  # interrupted mid-run, after a committed save
     _assert_same(expected, trained_prompts(tmp_path / "trace.jsonl"))
 
 
