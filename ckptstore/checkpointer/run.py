@@ -16,7 +16,7 @@ from ckptstore.checkpointer import commit, restore
 from ckptstore.checkpointer.handle import SaveHandle, SaveQueue, close_on_exit
 from ckptstore.checkpointer.jsonvalues import plain_json
 from ckptstore.checkpointer.retention import RetentionPolicy
-from ckptstore.checkpointer.shards import ShardReceipt
+from ckptstore.checkpointer.shards import ShardReceipt, check_kinds
 from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.errors import ConfigError, RunStateError
 from ckptstore.manifest import reads
@@ -210,8 +210,9 @@ def check_save_names(
     names = [*components, *(r.component for r in receipts)]
     for name in names:
         check_component_name(name)
-    for kind in [*(kinds or {}).values(), *(r.kind for r in receipts)]:
-        check_kind(kind)
+    check_kinds(components, kinds)
+    for receipt in receipts:
+        check_kind(receipt.kind)
     if len(set(names)) != len(names):
         raise ConfigError(f"component names must be unique within a save: {names}")
     if not names:

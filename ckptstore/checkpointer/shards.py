@@ -245,6 +245,14 @@ def check_components(
         )
     if not components:
         raise ConfigError("a shard save needs at least one component")
+    for name in components:
+        check_component_name(name)
+    return check_kinds(components, kinds)
+
+
+def check_kinds(components: Mapping[str, Any], kinds: Mapping[str, str] | None) -> dict[str, str]:
+    """Each component's kind (default ``"state"``); ``kinds`` may name only these components,
+    with valid kinds."""
     kinds = dict(kinds or {})
     unknown = sorted(set(kinds) - set(components))
     if unknown:
@@ -252,8 +260,6 @@ def check_components(
             f"kinds names {unknown}, which this save does not contain; "
             f"its components are {list(components)}"
         )
-    for name in components:
-        check_component_name(name)
     for kind in kinds.values():
         check_kind(kind)
     return {name: kinds.get(name, "state") for name in components}

@@ -200,16 +200,36 @@ def test_one_save_in_flight(gated: GatedStore) -> None:
         assert len(first.receipts()) == 1
         assert len(second[0].receipts(timeout=60)) == 1
         # A synchronous write also waits for a save in flight before it starts.
+        gated.gate.clear()
+        gated.waiting.clear()
         third = writer.save({"policy": shard_state(3)["policy"]})
-        writer.write("optimizer", shard_state(3)["optimizer"])
+        assert gated.waiting.wait(timeout=30)
+        writing = threading.Thread(
+            target=lambda: writer.write("optimizer", shard_state(3)["optimizer"])
+        )
+        writing.start()
+        writing.join(timeout=0.3)
+        assert writing.is_alive()
+        assert not third.done()
+        gated.gate.set()
+        writing.join(timeout=60)
+        assert not writing.is_alive()
         assert third.done()
 
 
-def test_finalize_returns_the_receipts_of_the_save_in_flight(store: LocalStore) -> None:
-    with ShardWriter(store) as writer:
+def test_finalize_returns_the_receipts_of_the_save_in_flight(gated: GatedStore) -> None:
+    with ShardWriter(gated) as writer:
         assert writer.finalize() is None
         handle = writer.save({"policy": shard_state(1)["policy"]})
-        receipts = writer.finalize()
+        assert gated.waiting.wait(timeout=30)
+        got: list[Any] = []
+        finalizing = threading.Thread(target=lambda: got.append(writer.finalize()))
+        finalizing.start()
+        finalizing.join(timeout=0.3)
+        assert finalizing.is_alive()  # finalize waits for the upload
+        gated.gate.set()
+        finalizing.join(timeout=60)
+        (receipts,) = got
         assert receipts is not None
         assert handle.done()
         assert receipts == handle.receipts()

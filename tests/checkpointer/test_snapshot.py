@@ -11,6 +11,7 @@ import torch
 
 from ckptstore.checkpointer import ShardWriter, open_run
 from ckptstore.checkpointer.snapshot import UNWRAPPED_COMPONENTS, Snapshotter, looks_unwrapped
+from ckptstore.errors import ConfigError
 from ckptstore.serialize.compare import first_difference
 
 
@@ -73,3 +74,11 @@ def test_steady_state_snapshots_reuse_buffers_and_leaves() -> None:
     assert bytes(leaf2.data) == torch.zeros(4).numpy().tobytes()
     third = snap.take({"m": {"w": torch.zeros(5)}})  # a new shape gets a new buffer
     assert third["m"].leaves[0] is not leaf1
+
+
+def test_run_save_refuses_kinds_for_components_it_does_not_have(tmp_path: Path) -> None:
+    # The same rule as ShardWriter.save (one check): a typo is an error, not a silent no-op.
+    with open_run("r", db=tmp_path / "m.db", store=tmp_path / "s", async_save=False) as run:
+        with pytest.raises(ConfigError, match=r"kinds names \['polcy'\].*components are"):
+            run.save(1, {"policy": {"w": torch.ones(2)}}, kinds={"polcy": "policy"})
+        assert run.latest() is None
