@@ -133,10 +133,10 @@ class PolicyWorker:
             **stats,
         }
 
-    def snapshot_shards(self, save_optimizer: bool) -> float:
+    def snapshot_shards(self, save_optimizer: bool) -> None:
         """Snapshot the policy (and optimizer) shards and start uploading them in the
-        background; returns the seconds the snapshot took. Training goes on meanwhile; the
-        controller collects the receipts with :meth:`shard_receipts` and commits them."""
+        background. Training goes on meanwhile; the controller collects the receipts (which
+        carry the snapshot's and the upload's seconds) with :meth:`shard_receipts`."""
         if self.shards is None:
             raise RuntimeError("this policy worker was started without a checkpoint store")
         components: dict[str, Any] = {"policy": self.model.state_dict()}
@@ -146,7 +146,6 @@ class PolicyWorker:
             kinds["optimizer"] = "optimizer"
         # One save in flight: a previous upload that was never collected is waited for here.
         self._save = self.shards.save(components, kinds=kinds)
-        return self._save.blocked_seconds
 
     def shard_receipts(self, wait: bool) -> list[ShardReceipt] | None:
         """The receipts of the last snapshot's uploads (None if ``wait`` is false and they are
