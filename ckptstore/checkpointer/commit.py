@@ -58,8 +58,8 @@ class SaveRequest:
     training_info: dict[str, Any] | None
     metrics: dict[str, Any] | None
     trigger: str
-    #: Wall-clock time (``time.time()``) the save began: the earliest of the ``Run.save`` call
-    #: and the caller's ``started_at``; receipts may start earlier still (see ``save_seconds``).
+    #: Wall-clock time (``time.time()``) the save began: the earliest of the ``Run.save`` call,
+    #: the caller's ``started_at`` and every receipt's (``save_seconds`` counts from here).
     started_at: float
     #: The longest any participant was blocked for this save (see ``Run.save``).
     blocked: float = 0.0
@@ -153,7 +153,6 @@ def commit(
     logical = sum(r.result.logical_bytes for r in receipts)
     uploaded = sum(c.stored_bytes for c in claims.values() if c.uploaded)
     training_info = flag_stale(request.training_info, stale_components(writer, request, receipts))
-    started_at = save_started_at(request, receipts)
 
     def values(stored: int) -> dict[str, Any]:
         return {
@@ -163,7 +162,7 @@ def commit(
             "stored_bytes": stored,
             "uploaded_bytes": uploaded,
             # Wall clock: receipts' instants come from other processes (workers).
-            "save_seconds": max(0.0, time.time() - started_at),
+            "save_seconds": max(0.0, time.time() - request.started_at),
             "blocked_seconds": request.blocked,
         }
 
@@ -181,12 +180,6 @@ def commit(
     info = reads.checkpoint(writer.db, checkpoint_id)
     assert info is not None
     return info, revived
-
-
-def save_started_at(request: SaveRequest, receipts: Sequence[ShardReceipt]) -> float:
-    """When the save began: the earliest of the request's and every receipt's start."""
-    starts = [r.started_at for r in receipts if r.started_at is not None]
-    return min([request.started_at, *starts])
 
 
 def stale_components(

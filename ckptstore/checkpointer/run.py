@@ -116,7 +116,11 @@ class Run:
             training_info=plain_json(training_info, "training_info"),
             metrics=plain_json(metrics, "metrics"),
             trigger=str(trigger),
-            started_at=call_started_at if started_at is None else min(call_started_at, started_at),
+            # The earliest start of any participant: this call, the caller's, every receipt's.
+            started_at=min(
+                [call_started_at, *([] if started_at is None else [started_at])]
+                + [r.started_at for r in receipts if r.started_at is not None]
+            ),
             kinds=dict(kinds or {}),
             expect_changed=changed,
         )
