@@ -87,7 +87,9 @@ class TrainerCheckpointer:
         self.budget = parse_deadline(self.ck.checkpoint_must_save_by, process_start)
         self.run: Run | None = None
         self.run_name = self.ck.run_name
-        self.base_name = f"base-{fingerprint(model_config(cfg))}"
+        #: What defines the model (task, architecture, warm-up, seed); resumes must not change it.
+        self.model_spec = model_config(cfg)
+        self.base_name = f"base-{fingerprint(self.model_spec)}"
         self.base_step = cfg.warmup.steps
         #: (parent run, its newest step) when this start forks a run whose config changed.
         self.fork_parent: tuple[str, int] | None = None
@@ -107,7 +109,7 @@ class TrainerCheckpointer:
         existing = self._existing_config()
         if existing is None:
             return
-        old_model, new_model = model_config(existing), model_config(self.cfg)
+        old_model, new_model = model_config(existing), self.model_spec
         if old_model == new_model:
             return
         changed = changed_keys(old_model, new_model)
@@ -119,7 +121,8 @@ class TrainerCheckpointer:
                 "checkpointing.fork=true to start a new run from its newest checkpoint "
                 "(lineage is recorded), or choose another checkpointing.run_name."
             )
-        if architecture_changed(changed) and self.ck.fork_init != "fresh":
+        arch_changed = architecture_changed(changed)
+        if arch_changed and self.ck.fork_init != "fresh":
             raise ResumeError(
                 f"cannot fork run {name!r} with its weights: the architecture changed "
                 f"({', '.join(changed)}), so the saved policy does not fit. Set "
@@ -130,7 +133,7 @@ class TrainerCheckpointer:
             latest = parent.latest()
         if latest is None:
             raise ResumeError(f"cannot fork run {name!r}: it has no committed checkpoint")
-        self.fork_fresh = architecture_changed(changed)
+        self.fork_fresh = arch_changed
         self.fork_parent = (name, latest.step)
         self.run_name = f"{name}-fork-{fingerprint(new_model)}"
         how = "from the warm-up model (fork_init=fresh)" if self.fork_fresh else "with its weights"
@@ -159,7 +162,7 @@ class TrainerCheckpointer:
         if not self.enabled:
             warmup(model)
             return model.state_dict()
-        spec = model_config(self.cfg)
+        spec = self.model_spec
         with open_run(
             self.base_name, db=self.ck.db, store=self.ck.store, config=spec, async_save=False
         ) as base:
