@@ -27,7 +27,6 @@ class PromptTrace:
     """Appends trace lines to a file, or does nothing when no path is configured."""
 
     def __init__(self, path: str | None) -> None:
-        self.path = path
         self._file: IO[str] | None = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
