@@ -12,6 +12,7 @@ import contextlib
 import logging
 import random
 import sqlite3
+import threading
 import time
 from collections.abc import Callable, Iterator
 from importlib import resources
@@ -101,9 +102,43 @@ def _sqlite_path(text_path: str, create: bool) -> Path:
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
+#: (device, inode) of every database file this process has probed. A file is read raw only
+#: the first time: closing any descriptor of a file drops *all* of this process's POSIX locks
+#: on it, so a raw read while another Database of this process holds SQLite connections to the
+#: file would silently release their locks -- other processes then see stale data, or corrupt
+#: the WAL ("disk I/O error", "database disk image is malformed").
+_probed: set[tuple[int, int]] = set()
+_probed_lock = threading.Lock()
+
+
 def _probe_sqlite(path: Path, create: bool) -> None:
     """Refuse a file that is not a ckptstore database before anything writes to it (the WAL
-    switch on connect would otherwise rewrite a foreign file's header)."""
+    switch on connect would otherwise rewrite a foreign file's header). Once per file and
+    process (see ``_probed``)."""
+    key = _file_key(path)
+    with _probed_lock:
+        if key is not None and key in _probed:
+            return
+    _read_header(path, create)
+
+
+def _file_key(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _remember_connected(path: Path) -> None:
+    """This process now holds SQLite connections to ``path``: never read it raw again."""
+    key = _file_key(path)
+    if key is not None:
+        with _probed_lock:
+            _probed.add(key)
+
+
+def _read_header(path: Path, create: bool) -> None:
     try:
         with path.open("rb") as f:
             header = f.read(100)
@@ -242,8 +277,11 @@ class Database:
         self.create = create
         self.dialect = make_url(self.url).get_backend_name()
         path = make_url(self.url).database
-        if self.dialect == "sqlite" and path and path != ":memory:":
-            _probe_sqlite(Path(path), create)
+        self._file = (
+            Path(path) if self.dialect == "sqlite" and path and path != ":memory:" else None
+        )
+        if self._file is not None:
+            _probe_sqlite(self._file, create)
         self.engine = self._make_engine()
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._writes = sessionmaker(
@@ -281,6 +319,8 @@ class Database:
                 _enable_wal(cursor)
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.close()
+            if self._file is not None:
+                _remember_connected(self._file)
 
         @event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:

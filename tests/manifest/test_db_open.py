@@ -159,3 +159,38 @@ def test_a_bad_component_kind_is_refused_up_front(run_with_two_steps: Run) -> No
     with pytest.raises(ConfigError, match="invalid component kind"):
         run_with_two_steps.save(3, {"policy": {"w": torch.zeros(1)}}, kinds={"policy": "x" * 40})
     assert [c.step for c in run_with_two_steps.checkpoints()] == [1, 2]
+
+
+def test_a_second_open_in_one_process_keeps_the_first_ones_sqlite_locks(tmp_path: Path) -> None:
+    """A trainer that holds a writer and a reader of one SQLite file, and another process that
+    opens and closes it: that process must still see this one's connections (SQLite's POSIX
+    locks). A raw read of the file by the second open used to drop them -- closing any
+    descriptor of a file releases all of the process's locks on it -- so the other process,
+    believing itself the last user, deleted the WAL under this one: stale reads there,
+    "disk I/O error" here."""
+    import subprocess
+    import sys
+
+    db = tmp_path / "m.db"
+    writer = open_run("r", db=db, store=tmp_path / "store")
+    reader = open_run("r", db=db, store=tmp_path / "store", writable=False)
+    writer.save(1, {"x": torch.ones(2)}).wait()
+    assert [c.step for c in reader.checkpoints()] == [1]
+    other = (
+        "import sys; from ckptstore import open_run; "
+        "run = open_run('r', db=sys.argv[1], store=sys.argv[2], writable=False); "
+        "print([c.step for c in run.checkpoints()]); run.close(); run.db.engine.dispose()"
+    )
+    seen = subprocess.run(
+        [sys.executable, "-c", other, str(db), str(tmp_path / "store")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    assert seen.stdout.strip() == "[1]"
+    assert (tmp_path / "m.db-wal").exists(), "the other process deleted the WAL in use here"
+    writer.save(2, {"x": torch.ones(2)}).wait()
+    assert [c.step for c in reader.checkpoints()] == [1, 2]
+    reader.close()
+    writer.close()
