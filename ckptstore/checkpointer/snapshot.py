@@ -35,14 +35,64 @@ def looks_unwrapped(components: Mapping[str, Any]) -> bool:
     return bare >= 0.9 * len(components)
 
 
+class HostBuffers:
+    """Host buffers kept between snapshots, one per key, reused while the tensor stored under
+    the key keeps its dtype and shape (pinned when the source is on a GPU).
+
+    A snapshot is ``begin()``, ``copy(key, tensor)`` for each tensor, ``end()``: ``end`` forgets
+    the buffers of keys that were not copied this time (memory follows the state's size) and
+    waits for device-to-host copies. The caller must not reuse a buffer while its bytes are
+    still being stored (one save in flight).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
+        self._from_gpu = False
+
+    def begin(self) -> None:
+        """Start a snapshot."""
+        self._used = set()
+        self._from_gpu = False
+
+    def copy(self, key: str, tensor: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """Copy ``tensor`` into the buffer kept for ``key``; returns (buffer, whether it was
+        newly allocated)."""
+        self._used.add(key)
+        source = tensor.detach()
+        self._from_gpu |= source.device.type == "cuda"
+        buffer = self._buffers.get(key)
+        fresh = buffer is None or buffer.dtype != source.dtype or buffer.shape != source.shape
+        if fresh:
+            buffer = torch.empty(
+                source.shape, dtype=source.dtype, pin_memory=source.device.type == "cuda"
+            )
+            self._buffers[key] = buffer
+        assert buffer is not None
+        buffer.copy_(source.resolve_conj().resolve_neg(), non_blocking=True)
+        return buffer, fresh
+
+    def end(self) -> set[str]:
+        """Finish a snapshot; returns the keys whose buffers were forgotten."""
+        gone = set(self._buffers) - self._used
+        for key in gone:
+            del self._buffers[key]
+        if self._from_gpu:
+            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+        return gone
+
+    def clear(self) -> None:
+        """Forget every buffer."""
+        self._buffers.clear()
+
+
 class Snapshotter:
     """Copies components into reusable host buffers and flattens them."""
 
     def __init__(self) -> None:
-        #: buffer key -> (reused host buffer, the leaf that views it)
-        self._buffers: dict[str, tuple[torch.Tensor, Leaf]] = {}
-        self._used: set[str] = set()
-        self._from_gpu = False
+        self._pool = HostBuffers()
+        #: buffer key -> the leaf that views its buffer (rebuilt when the buffer is new)
+        self._leaves: dict[str, Leaf] = {}
         self._warned_unwrapped = False
 
     def take(self, components: Mapping[str, Any], *, copy: bool = True) -> dict[str, FlatState]:
@@ -64,38 +114,28 @@ class Snapshotter:
                 sample,
             )
         if not copy:
-            self._buffers.clear()
+            self._pool.clear()
+            self._leaves.clear()
             return {name: flatten_state(state) for name, state in components.items()}
-        self._used = set()
-        self._from_gpu = False
-        flats = {
-            name: flatten_state(state, tensor_view=self._copy_view(name), copy_arrays=True)
-            for name, state in components.items()
-        }
-        # Forget buffers of tensors that are gone, so memory follows the state's size.
-        for key in set(self._buffers) - self._used:
-            del self._buffers[key]
-        if self._from_gpu:
-            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+        self._pool.begin()
+        try:
+            flats = {
+                name: flatten_state(state, tensor_view=self._copy_view(name), copy_arrays=True)
+                for name, state in components.items()
+            }
+        finally:
+            for key in self._pool.end():
+                self._leaves.pop(key, None)
         return flats
 
     def _copy_view(self, component: str) -> Any:
         def view(tensor: torch.Tensor, path: str) -> Leaf:
             check_tensor(tensor, path)
             key = f"{component}\x00{path}"
-            self._used.add(key)
-            source = tensor.detach()
-            self._from_gpu |= source.device.type == "cuda"
-            kept = self._buffers.get(key)
-            if kept is None or kept[0].dtype != source.dtype or kept[0].shape != source.shape:
-                buffer = torch.empty(
-                    source.shape,
-                    dtype=source.dtype,
-                    pin_memory=source.device.type == "cuda",
-                )
-                kept = (buffer, tensor_leaf(buffer, path))
-                self._buffers[key] = kept
-            kept[0].copy_(source.resolve_conj().resolve_neg(), non_blocking=True)
-            return kept[1]
+            buffer, fresh = self._pool.copy(key, tensor)
+            leaf = self._leaves.get(key)
+            if fresh or leaf is None:
+                leaf = self._leaves[key] = tensor_leaf(buffer, path)
+            return leaf
 
         return view
