@@ -1,0 +1,507 @@
+"""torch.distributed.checkpoint (DCP) on ckptstore: every rank uploads its own blobs, the
+coordinator commits one checkpoint row, and nothing is ever pickled.
+
+Use the wrappers (they pick the no-pickle planners and turn DCP's failures into ckptstore's
+errors)::
+
+    import ckptstore
+    from ckptstore.integrations import dcp as ckpt_dcp
+
+    run = ckptstore.open_run("llama-8b", db=..., store=..., writable=rank == 0)
+    ckpt_dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, run, step)
+    ckpt_dcp.load(state_dict, run)            # newest committed step, resharded to this layout
+
+or pass the parts to DCP yourself: ``dcp.save(sd, storage_writer=CkptStoreWriter(run, step),
+planner=NoPickleSavePlanner())`` and ``dcp.load(sd, storage_reader=CkptStoreReader.from_run(run),
+planner=NoPickleLoadPlanner())``.
+
+How a checkpoint is laid out: rank ``r`` stores the items DCP planned for it as the component
+``dcp/rank<r>`` (a list: tensors -- chunked, packed, compressed and deduplicated as any
+component -- and plain values as JSON text); the coordinator stores DCP's metadata as JSON in
+``dcp/metadata`` and commits everything in one transaction in ``finish()``, which DCP calls only
+when every rank's writes succeeded. A failed rank commits nothing.
+
+Only the coordinator (rank 0 of the process group) needs a writable run; the other ranks pass a
+read-only run or just the store. Loading needs the metadata component's digest (``from_run``
+finds it); every rank then reads only the blobs that hold the boxes it asks for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future as ConcurrentFuture
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import (
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ckptstore.cas.writer import WriterOptions
+from ckptstore.checkpointer.restore import Reader, mark_corrupt
+from ckptstore.checkpointer.run import Run
+from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    CkptStoreError,
+    ConfigError,
+    IntegrityError,
+    SaveError,
+    SerializationError,
+)
+from ckptstore.integrations.dcp_metadata import (
+    METADATA_COMPONENT,
+    METADATA_FORMAT,
+    Location,
+    encode_metadata,
+    rank_component,
+)
+from ckptstore.integrations.dcp_planners import (
+    NoPickleLoadPlanner,
+    NoPickleSavePlanner,
+    SnapshotStager,
+)
+from ckptstore.integrations.dcp_reader import CkptStoreReader, is_dcp_checkpoint, iter_full_tensors
+from ckptstore.integrations.plainvalues import decode_plain
+from ckptstore.manifest import reads
+from ckptstore.manifest.models import Trigger
+from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.names import check_step
+from ckptstore.objectstore import ObjectStore, open_store
+
+log = logging.getLogger("ckptstore.integrations.dcp")
+
+__all__ = [
+    "METADATA_COMPONENT",
+    "CkptStoreReader",
+    "CkptStoreWriter",
+    "NoPickleLoadPlanner",
+    "NoPickleSavePlanner",
+    "SnapshotStager",
+    "is_dcp_checkpoint",
+    "iter_full_tensors",
+    "load",
+    "rank_component",
+    "save",
+]
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _RankPlan:
+    """What the coordinator tells each rank: its place in the group."""
+
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Written:
+    """A write result's storage data: where the item went, and (on a rank's first result)
+    the rank's receipt -- digests and sizes, gathered to the coordinator by DCP."""
+
+    rank: int
+    position: int
+    receipt: ShardReceipt | None = None
+
+
+class CkptStoreWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that stores each rank's items through ckptstore and commits the
+    checkpoint (run, step) in ``finish()``.
+
+    ``target`` is the run on the coordinator (it must be writable) and the run, the store or a
+    store URL on the other ranks. ``step`` may also come as DCP's ``checkpoint_id``. The
+    committed :class:`CheckpointInfo` is ``self.committed`` on the coordinator afterwards.
+    """
+
+    def __init__(
+        self,
+        target: Run | ObjectStore | str,
+        step: int | None = None,
+        *,
+        training_info: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        trigger: str = Trigger.MANUAL,
+        kind: str = "state",
+        writer_options: WriterOptions | None = None,
+    ) -> None:
+        super().__init__()
+        self.run = target if isinstance(target, Run) else None
+        self._store_target = target.store if isinstance(target, Run) else target
+        self.step = None if step is None else check_step(step)
+        self.training_info = training_info
+        self.metrics = metrics
+        self.trigger = trigger
+        self.kind = kind
+        self.writer_options = writer_options
+        self.committed: CheckpointInfo | None = None
+        self.uploaded_bytes = 0
+        self.is_coordinator = False
+
+    def __repr__(self) -> str:
+        return f"CkptStoreWriter(run={getattr(self.run, 'name', None)!r}, step={self.step})"
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """A new save begins; a ``checkpoint_id`` is the step to save."""
+        if checkpoint_id is not None:
+            self.step = _step_of(checkpoint_id)
+        self.committed = None
+        self.uploaded_bytes = 0
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Check this rank can play its part; per-save state is reset here (DCP calls
+        ``reset`` only when a ``checkpoint_id`` is passed)."""
+        self.is_coordinator = is_coordinator
+        self.committed = None
+        self.uploaded_bytes = 0
+        if not is_coordinator:
+            return
+        if self.run is None or self.run.epoch is None:
+            raise ConfigError(
+                "the coordinator rank of a DCP save commits the checkpoint: give its "
+                "CkptStoreWriter a writable run (ckptstore.open_run(name, writable=True)); "
+                "the other ranks may pass a read-only run or the store"
+            )
+        if self.step is None:
+            raise ConfigError(
+                "CkptStoreWriter needs the step to save: CkptStoreWriter(run, step) or "
+                "dcp.save(..., checkpoint_id=step)"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The planner's plan, unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Tell each rank its place in the group."""
+        return [dataclasses.replace(p, storage_data=_RankPlan(i)) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Store this rank's items as one component; the future holds a result per item."""
+        rank = plan.storage_data.rank if isinstance(plan.storage_data, _RankPlan) else 0
+        items: list[Any] = []
+        sizes: list[int] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                text = _plain_text(data, item.index.fqn)
+                items.append(text)
+                sizes.append(len(text))
+            else:
+                assert isinstance(data, torch.Tensor)
+                tensor = data.detach()
+                items.append(tensor)
+                sizes.append(tensor.numel() * tensor.element_size())
+        results: list[WriteResult] = []
+        if items:
+            store = self._store()
+            try:
+                with ShardWriter(store, options=self.writer_options) as writer:
+                    receipt = writer.write(rank_component(rank), items, kind=self.kind)
+            finally:
+                if store is not self._store_target:
+                    store.close()
+            self.uploaded_bytes = receipt.uploaded_bytes
+            results = [
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=size,
+                    storage_data=_Written(rank, i, receipt if i == 0 else None),
+                )
+                for i, (item, size) in enumerate(zip(plan.items, sizes, strict=True))
+            ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Commit the checkpoint: every rank's components and the metadata, one transaction."""
+        assert self.run is not None  # checked in set_up_storage_writer
+        assert self.step is not None
+        receipts: list[ShardReceipt] = []
+        locations: dict[MetadataIndex, Location] = {}
+        for rank_results in results:
+            for result in rank_results:
+                written = result.storage_data
+                if not isinstance(written, _Written):
+                    raise SaveError(
+                        f"a write result for {result.index.fqn!r} did not come from a "
+                        "CkptStoreWriter; every rank must use one"
+                    )
+                locations[result.index] = Location(written.rank, written.position)
+                if written.receipt is not None:
+                    receipts.append(written.receipt)
+        rank_indexes = {
+            int(r.component.removeprefix("dcp/rank")): r.result.index_digest for r in receipts
+        }
+        document = encode_metadata(metadata, locations, rank_indexes)
+        handle = self.run.save(
+            self.step,
+            {METADATA_COMPONENT: {"format": METADATA_FORMAT, "metadata": document}},
+            receipts=receipts,
+            training_info=self.training_info,
+            metrics=self.metrics,
+            trigger=self.trigger,
+        )
+        self.committed = handle.wait()
+
+    def storage_meta(self) -> None:
+        """No storage-specific metadata (the step is the checkpoint's identity)."""
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """Never picked automatically by DCP: pass the writer explicitly."""
+        return False
+
+    def _store(self) -> ObjectStore:
+        target = self._store_target
+        return target if isinstance(target, ObjectStore) else open_store(target)
+
+
+def _plain_text(data: Any, fqn: str) -> str:
+    """The JSON text of a plain value written by :class:`NoPickleSavePlanner`."""
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else data
+    try:
+        decode_plain(raw, fqn)
+    except SerializationError:
+        raise SerializationError(
+            f"{fqn}: this value was serialized by a planner that pickles (DCP's default "
+            "planner); pass planner=NoPickleSavePlanner() -- ckptstore never stores pickles"
+        ) from None
+    return bytes(raw).decode("utf-8")
+
+
+def _step_of(checkpoint_id: Any) -> int:
+    try:
+        return check_step(int(str(checkpoint_id)))
+    except (ValueError, CkptStoreError):
+        raise ConfigError(
+            f"checkpoint_id={checkpoint_id!r}: with ckptstore the checkpoint id is the step to "
+            "save or load (an integer >= 0)"
+        ) from None
+
+
+# -- the wrappers -----------------------------------------------------------------------------
+
+#: One stager per run (or store) object, so repeated async saves reuse their buffers.
+_stagers: weakref.WeakKeyDictionary[Any, SnapshotStager] = weakref.WeakKeyDictionary()
+
+
+def save(
+    state_dict: dict[str, Any],
+    run: Run | ObjectStore | str,
+    step: int,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    planner: SavePlanner | None = None,
+    async_save: bool = False,
+    stager: SnapshotStager | None = None,
+    training_info: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    trigger: str = Trigger.MANUAL,
+    writer_options: WriterOptions | None = None,
+) -> CheckpointInfo | ConcurrentFuture[CheckpointInfo | None] | None:
+    """Save ``state_dict`` (DTensors, tensors, plain values) from every rank as ``step``.
+
+    Call it on every rank of the group: the coordinator (rank 0) with its writable run, the
+    others with a read-only run or the store. Returns the committed checkpoint on the
+    coordinator, None elsewhere. With ``async_save`` it returns once the state is copied into
+    the stager's reused host buffers and the rest runs in the background: the result is a
+    future of the same value (its failure is a ``SaveError``); the next save waits for it.
+    A failure on any rank commits nothing and raises ``SaveError`` on every rank.
+    """
+    writer = CkptStoreWriter(
+        run,
+        step,
+        training_info=training_info,
+        metrics=metrics,
+        trigger=trigger,
+        writer_options=writer_options,
+    )
+    planner = planner or NoPickleSavePlanner()
+    what = f"the DCP save of step {step}" + (
+        f" of run {run.name!r}" if isinstance(run, Run) else ""
+    )
+    if not async_save:
+        try:
+            with _single_process_ok():
+                dcp_save(
+                    state_dict, storage_writer=writer, planner=planner, process_group=process_group
+                )
+        except CheckpointException as exc:
+            raise _save_error(exc, what) from None
+        return writer.committed
+    if stager is None:
+        key = run if not isinstance(run, str) else None
+        stager = _stagers.get(key) if key is not None else None
+        if stager is None:
+            stager = SnapshotStager()
+            if key is not None:
+                _stagers[key] = stager
+    result: ConcurrentFuture[CheckpointInfo | None] = ConcurrentFuture()
+    with _single_process_ok():
+        upload = dcp_async_save(
+            state_dict,
+            storage_writer=writer,
+            planner=planner,
+            process_group=process_group,
+            async_stager=stager,
+        )
+
+    def settle(done: ConcurrentFuture[Any]) -> None:
+        error = done.exception()
+        if error is None:
+            result.set_result(writer.committed)
+        elif isinstance(error, CheckpointException):
+            result.set_exception(_save_error(error, what))
+        else:
+            failure = SaveError(
+                f"{what} failed: {type(error).__name__}: {error}; nothing committed"
+            )
+            failure.__cause__ = error
+            result.set_exception(failure)
+
+    assert isinstance(upload, ConcurrentFuture)  # the stager stages synchronously
+    stager.in_flight = result
+    upload.add_done_callback(settle)
+    return result
+
+
+def load(
+    state_dict: dict[str, Any],
+    run: Run,
+    step: int | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+    planner: LoadPlanner | None = None,
+    fallback: bool = True,
+    max_workers: int = 8,
+) -> CheckpointInfo:
+    """Load ``step`` (default: the newest committed checkpoint) into ``state_dict`` in place,
+    resharded to its layout; call it on every rank with a run (read-only is enough).
+
+    When loading the newest checkpoint and it fails verification on any rank, the coordinator
+    marks it corrupt and every rank falls back to the previous committed one (``fallback``).
+    Returns the checkpoint that was loaded. Errors: ``IntegrityError`` (damaged data),
+    ``CheckpointNotFoundError``, or the ckptstore error a rank raised.
+    """
+    planner = planner or NoPickleLoadPlanner()
+    key = (run.id, run.name)
+    if step is not None:
+        info = reads.committed_at(run.db, key, check_step(step))
+        _load_one(state_dict, run, info, planner, process_group, max_workers)
+        return info
+    before: int | None = None
+    skipped: list[int] = []
+    while True:
+        found = reads.newest_committed(run.db, key, before_step=before)
+        if found is None:
+            detail = f"; skipped corrupt steps {skipped}" if skipped else ""
+            raise CheckpointNotFoundError(
+                f"run {run.name!r} has no committed checkpoint to load{detail}"
+            )
+        try:
+            _load_one(state_dict, run, found, planner, process_group, max_workers)
+        except IntegrityError as exc:
+            if not fallback:
+                raise
+            if _rank(process_group) == 0:
+                mark_corrupt(Reader(run.db, run.store, run.id, run.name), found, exc)
+            skipped.append(found.step)
+            before = found.step
+            continue
+        if skipped:
+            log.warning(
+                "run %r: loaded step %d after skipping corrupt %s", run.name, found.step, skipped
+            )
+        return found
+
+
+def _load_one(
+    state_dict: dict[str, Any],
+    run: Run,
+    info: CheckpointInfo,
+    planner: LoadPlanner,
+    process_group: dist.ProcessGroup | None,
+    max_workers: int,
+) -> None:
+    reader = CkptStoreReader.for_checkpoint(run.store, info, max_workers=max_workers)
+    try:
+        with _single_process_ok():
+            dcp_load(
+                state_dict, storage_reader=reader, planner=planner, process_group=process_group
+            )
+    except CheckpointException as exc:
+        raise _load_error(exc, f"run {run.name!r} step {info.step}") from None
+
+
+def _failures(exc: CheckpointException) -> list[tuple[int, BaseException]]:
+    found = []
+    for rank, failure in sorted(exc.failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure
+        found.append((rank, error if isinstance(error, BaseException) else RuntimeError(error)))
+    return found
+
+
+def _save_error(exc: CheckpointException, what: str) -> SaveError:
+    failures = _failures(exc)
+    ranks = [r for r, _ in failures]
+    rank, first = failures[0] if failures else (-1, exc)
+    error = SaveError(
+        f"{what} failed on rank(s) {ranks} and nothing was committed; rank {rank}: "
+        f"{type(first).__name__}: {first}"
+    )
+    error.__cause__ = first
+    return error
+
+
+def _load_error(exc: CheckpointException, what: str) -> CkptStoreError:
+    failures = _failures(exc)
+    for _, error in failures:
+        if isinstance(error, IntegrityError):
+            return error
+    for _, error in failures:
+        if isinstance(error, CkptStoreError):
+            return error
+    rank, first = failures[0] if failures else (-1, exc)
+    wrapped = CkptStoreError(
+        f"the DCP load of {what} failed on rank(s) {[r for r, _ in failures]}; rank {rank}: "
+        f"{type(first).__name__}: {first}"
+    )
+    wrapped.__cause__ = first
+    return wrapped
+
+
+def _rank(process_group: dist.ProcessGroup | None) -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(process_group)
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """DCP warns that it assumes one process when torch.distributed is not initialized; in a
+    single process that is what the caller means, so the warning is only noise."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield

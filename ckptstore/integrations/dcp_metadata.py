@@ -1,0 +1,232 @@
+"""torch DCP's ``Metadata`` as JSON, so no rank ever unpickles a checkpoint's description.
+
+DCP's own ``FileSystemWriter`` pickles ``Metadata`` (every rank unpickles it on load). Here it
+is a JSON document stored as one value of the checkpoint's ``dcp/metadata`` component, and
+decoding it builds only DCP's plain dataclasses, validating every field first.
+
+The document also says where each written item lives: the rank whose component holds it and
+its position in that component's item list, and each rank component's index digest -- so a
+worker with nothing but object-store access can load from the metadata's digest alone.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptstore.cas.digest import check_digest
+from ckptstore.errors import CkptStoreError, SerializationError
+from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
+
+FORMAT = "ckptstore/dcp-metadata"
+VERSION = 1
+#: The component holding DCP's metadata (JSON) and the rank components' index digests.
+METADATA_COMPONENT = "dcp/metadata"
+METADATA_FORMAT = "ckptstore/dcp"
+
+_MEMORY_FORMATS = {
+    "contiguous": torch.contiguous_format,
+    "channels_last": torch.channels_last,
+    "preserve": torch.preserve_format,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Location:
+    """Where one written item is stored: item ``position`` of rank ``rank``'s component."""
+
+    rank: int
+    position: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMetadata:
+    """A decoded metadata document: DCP's ``Metadata`` (its ``storage_data`` maps each
+    ``MetadataIndex`` to a :class:`Location`) and each rank component's index digest."""
+
+    metadata: Metadata
+    rank_indexes: dict[int, str]
+
+
+def encode_metadata(
+    metadata: Metadata, locations: dict[MetadataIndex, Location], rank_indexes: dict[int, str]
+) -> str:
+    """The JSON document for ``metadata`` with the items' ``locations``."""
+    tensors: dict[str, Any] = {}
+    values: list[str] = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            values.append(fqn)
+            continue
+        props = md.properties
+        tensors[fqn] = {
+            "dtype": torch_dtype_name(props.dtype, fqn),
+            "size": list(md.size),
+            "requires_grad": bool(props.requires_grad),
+            "memory_format": _memory_format_name(props.memory_format, fqn),
+            "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks],
+        }
+    storage_meta = metadata.storage_meta
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dcp_version": metadata.version,
+        "tensors": tensors,
+        "values": values,
+        "planner_data": _planner_data(metadata.planner_data),
+        "storage_meta": None
+        if storage_meta is None
+        else {"save_id": storage_meta.save_id, "modules": list(storage_meta.modules)},
+        "locations": [
+            [
+                index.fqn,
+                None if index.offset is None else list(index.offset),
+                loc.rank,
+                loc.position,
+            ]
+            for index, loc in locations.items()
+        ],
+        "ranks": [[rank, digest] for rank, digest in sorted(rank_indexes.items())],
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def decode_metadata(text: str, where: str) -> StoredMetadata:
+    """Parse and validate a metadata document; ``SerializationError`` names what is wrong."""
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError("not a ckptstore DCP metadata document")
+        if doc.get("version") != VERSION:
+            raise ValueError(
+                f"version {doc.get('version')!r} is not supported by this ckptstore (it reads "
+                f"version {VERSION}); upgrade ckptstore"
+            )
+        state: dict[str, Any] = {fqn: BytesStorageMetadata() for fqn in _strs(doc["values"])}
+        for fqn, md in _dict(doc["tensors"]).items():
+            state[fqn] = _tensor_metadata(_dict(md), fqn)
+        locations = {
+            MetadataIndex(_str(fqn), None if offset is None else torch.Size(_ints(offset))): (
+                Location(_int(rank), _int(position))
+            )
+            for fqn, offset, rank, position in _list(doc["locations"])
+        }
+        ranks = {_int(rank): check_digest(_str(digest)) for rank, digest in _list(doc["ranks"])}
+        sm = doc.get("storage_meta")
+        storage_meta = (
+            None
+            if sm is None
+            else StorageMeta(save_id=sm.get("save_id"), modules=_strs(sm.get("modules", [])))
+        )
+        planner_data = doc.get("planner_data")
+        metadata = Metadata(
+            state_dict_metadata=state,
+            planner_data=None
+            if planner_data is None
+            else {_str(k): tuple(_path(v)) for k, v in _dict(planner_data).items()},
+            storage_data=locations,
+            storage_meta=storage_meta,
+            version=doc.get("dcp_version"),
+        )
+    except (ValueError, TypeError, KeyError, AttributeError, CkptStoreError) as exc:
+        detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise SerializationError(f"{where}: malformed DCP metadata ({detail})") from None
+    return StoredMetadata(metadata, ranks)
+
+
+def _tensor_metadata(md: dict[str, Any], fqn: str) -> TensorStorageMetadata:
+    memory_format = _MEMORY_FORMATS.get(md.get("memory_format", "contiguous"))
+    if memory_format is None:
+        raise ValueError(f"{fqn}: unknown memory format {md.get('memory_format')!r}")
+    chunks = []
+    for offsets, sizes in _list(md["chunks"]):
+        chunks.append(ChunkStorageMetadata(torch.Size(_ints(offsets)), torch.Size(_ints(sizes))))
+    props = TensorProperties(
+        dtype=torch_dtype(_str(md["dtype"]), fqn),
+        requires_grad=bool(md.get("requires_grad", False)),
+        memory_format=memory_format,
+    )
+    return TensorStorageMetadata(
+        properties=props, size=torch.Size(_ints(md["size"])), chunks=chunks
+    )
+
+
+def _memory_format_name(memory_format: torch.memory_format, fqn: str) -> str:
+    for name, known in _MEMORY_FORMATS.items():
+        if memory_format == known:
+            return name
+    raise SerializationError(f"{fqn}: memory format {memory_format} cannot be recorded")
+
+
+def _planner_data(data: Any) -> Any:
+    """DefaultSavePlanner's planner data (flattened fqn -> original key path) as JSON."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise SerializationError(
+            f"the save planner's planner_data is a {type(data).__name__}; ckptstore records the "
+            "DefaultSavePlanner's mapping only (fqn -> key path)"
+        )
+    out = {}
+    for fqn, path in data.items():
+        keys = list(path) if isinstance(path, tuple | list) else [path]
+        if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in keys):
+            raise SerializationError(f"{fqn}: planner data key path {path!r} is not str/int keys")
+        out[str(fqn)] = keys
+    return out
+
+
+def _path(value: Any) -> list[str | int]:
+    keys = _list(value)
+    if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in keys):
+        raise ValueError("a planner key path holds str and int keys")
+    return keys
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {type(value).__name__}")
+    return value
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected an array, got {type(value).__name__}")
+    return value
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value
+
+
+def _strs(value: Any) -> list[str]:
+    return [_str(v) for v in _list(value)]
+
+
+def _int(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise TypeError(f"expected a non-negative integer, got {value!r}")
+    return value
+
+
+def _ints(value: Any) -> list[int]:
+    return [_int(v) for v in _list(value)]
+
+
+def rank_component(rank: int) -> str:
+    """The component that holds rank ``rank``'s items."""
+    return f"dcp/rank{rank}"

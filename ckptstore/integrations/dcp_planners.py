@@ -1,0 +1,124 @@
+"""The no-pickle DCP planners and the snapshot stager (see :mod:`ckptstore.integrations.dcp`)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import threading
+from collections.abc import Mapping
+from concurrent.futures import Future as ConcurrentFuture
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.planner import (
+    ReadItem,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+from ckptstore.checkpointer.snapshot import HostBuffers
+from ckptstore.integrations.plainvalues import decode_plain, encode_plain
+
+# -- planners ---------------------------------------------------------------------------------
+
+
+class NoPickleSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, except that non-tensor values are written as JSON text
+    (see :mod:`ckptstore.integrations.plainvalues`) instead of ``torch.save`` pickles; a value
+    that is not plain is refused at save time with its path."""
+
+    def transform_object(self, write_item: WriteItem, object: Any) -> Any:
+        """A tensor as is; a plain value as a ``BytesIO`` of its JSON text."""
+        if write_item.type == WriteItemType.BYTE_IO:
+            if isinstance(object, io.BytesIO):
+                object = object.getvalue()  # raw bytes are a plain value
+            return io.BytesIO(encode_plain(object, write_item.index.fqn))
+        return object
+
+
+class NoPickleLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values are decoded from JSON text and
+    never unpickled: a pickle planted in the store is refused, not run."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Decode one plain value and put it where the state dict has it."""
+        fqn = read_item.dest_index.fqn
+        decoded = decode_plain(value.getvalue(), fqn)
+        if self.flatten_state_dict:
+            _set_element(self.original_state_dict, self.mappings[fqn], decoded)
+        else:
+            self.state_dict[fqn] = decoded
+
+
+def _set_element(root: Any, path: Any, value: Any) -> None:
+    # torch's own helper for the default planner's key paths; pinned with torch==2.13.
+    from torch.distributed.checkpoint._traverse import set_element
+
+    set_element(root, path, value)
+
+
+# -- staging ----------------------------------------------------------------------------------
+
+
+class SnapshotStager(AsyncStager):
+    """An ``AsyncStager`` for ``dcp.async_save`` that copies the state into host buffers kept
+    from save to save (ckptstore's snapshot buffers), DTensors included: after the first save
+    a snapshot is a memcpy into memory that is already mapped.
+
+    The buffers are reused, so wait for one async save to finish before staging the next
+    (:func:`save` with ``async_save=True`` does). ``close()`` releases them.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers = HostBuffers()
+        self._lock = threading.Lock()
+        #: The upload of the last staged save, set by :func:`save`.
+        self.in_flight: ConcurrentFuture[Any] | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """A copy of ``state_dict`` whose tensors live in the reused host buffers."""
+        with self._lock:
+            if self.in_flight is not None:
+                self.in_flight.exception()  # its failure is the caller's to see, not ours
+            self._buffers.begin()
+            try:
+                staged = self._copy(state_dict, "")
+            finally:
+                self._buffers.end()
+            return staged  # type: ignore[no-any-return]
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copies are done."""
+        return None
+
+    def close(self) -> None:
+        """Release the buffers."""
+        with self._lock:
+            self._buffers.clear()
+
+    def _copy(self, value: Any, path: str) -> Any:
+        if isinstance(value, DTensor):
+            local, _ = self._buffers.copy(path, value.to_local())
+            return DTensor.from_local(
+                local,
+                value.device_mesh,
+                value.placements,
+                run_check=False,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        if isinstance(value, torch.Tensor):
+            return self._buffers.copy(path, value)[0]
+        if isinstance(value, Mapping):
+            return type(value)(  # type: ignore[call-arg]
+                {k: self._copy(v, f"{path}/{k}") for k, v in value.items()}
+            )
+        if isinstance(value, list | tuple):
+            items = [self._copy(v, f"{path}/{i}") for i, v in enumerate(value)]
+            return items if isinstance(value, list) else tuple(items)
+        return copy.deepcopy(value)

@@ -1,0 +1,426 @@
+"""Reading a DCP checkpoint from ckptstore: the ``StorageReader`` and consolidation into whole
+tensors (see :mod:`ckptstore.integrations.dcp`)."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+)
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from ckptstore.cas.blobs import get_blob
+from ckptstore.checkpointer.run import Run
+from ckptstore.errors import (
+    CheckpointNotFoundError,
+    ComponentNotFoundError,
+    ConfigError,
+    IntegrityError,
+    SerializationError,
+)
+from ckptstore.integrations.dcp_metadata import (
+    METADATA_COMPONENT,
+    METADATA_FORMAT,
+    Location,
+    StoredMetadata,
+    decode_metadata,
+    rank_component,
+)
+from ckptstore.integrations.dcp_planners import NoPickleLoadPlanner
+from ckptstore.manifest import reads
+from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.names import check_step
+from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.serialize.assemble import max_blob_len, with_context
+from ckptstore.serialize.dtypes import torch_dtype
+from ckptstore.serialize.index import Entry, Segment
+from ckptstore.serialize.reader import ComponentReader
+
+# -- reading ----------------------------------------------------------------------------------
+
+
+class CkptStoreReader(StorageReader):
+    """A DCP ``StorageReader`` over one committed checkpoint, found by the digest of its
+    metadata component's index (no database needed) or with :meth:`from_run`.
+
+    Every blob is verified as it arrives; each rank fetches only the blobs holding the boxes it
+    reads, each once. Non-tensor values are handed only to a :class:`NoPickleLoadPlanner`.
+    """
+
+    def __init__(
+        self,
+        store: ObjectStore | str,
+        metadata_digest: str,
+        *,
+        context: str = "",
+        max_workers: int = 8,
+    ) -> None:
+        super().__init__()
+        self._owns_store = not isinstance(store, ObjectStore)
+        self.store = store if isinstance(store, ObjectStore) else open_store(store)
+        self.metadata_digest = metadata_digest
+        self.context = context or f"DCP checkpoint {metadata_digest}"
+        self.max_workers = max(1, max_workers)
+        self._stored: StoredMetadata | None = None
+        self._readers: dict[int, ComponentReader] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_run(
+        cls,
+        run: Run,
+        step: int | None = None,
+        *,
+        component: str = METADATA_COMPONENT,
+        max_workers: int = 8,
+    ) -> CkptStoreReader:
+        """The reader for ``run``'s checkpoint at ``step`` (default: the newest committed)."""
+        info = (
+            reads.committed_at(run.db, (run.id, run.name), check_step(step))
+            if step is not None
+            else run.latest()
+        )
+        if info is None:
+            raise CheckpointNotFoundError(f"run {run.name!r} has no committed checkpoint to load")
+        return cls.for_checkpoint(run.store, info, component=component, max_workers=max_workers)
+
+    @classmethod
+    def for_checkpoint(
+        cls,
+        store: ObjectStore,
+        info: CheckpointInfo,
+        *,
+        component: str = METADATA_COMPONENT,
+        max_workers: int = 8,
+    ) -> CkptStoreReader:
+        """The reader for the checkpoint ``info`` describes."""
+        digest = next((c.index_digest for c in info.components if c.name == component), None)
+        if digest is None:
+            raise ComponentNotFoundError(
+                f"run {info.run!r} step {info.step} has no component {component!r}: it was not "
+                f"saved through torch DCP with ckptstore (components: "
+                f"{sorted(c.name for c in info.components)})"
+            )
+        context = f"run {info.run!r}, step {info.step}"
+        return cls(store, digest, context=context, max_workers=max_workers)
+
+    def close(self) -> None:
+        """Release the store if this reader opened it."""
+        if self._owns_store:
+            self.store.close()
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        """Nothing to reset: a reader reads one checkpoint."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's metadata, decoded from JSON (never unpickled) and validated."""
+        return self.stored_metadata().metadata
+
+    def stored_metadata(self) -> StoredMetadata:
+        """The decoded metadata document (fetched and verified once)."""
+        with self._lock:
+            if self._stored is None:
+                self._stored = self._fetch_metadata()
+            return self._stored
+
+    def _fetch_metadata(self) -> StoredMetadata:
+        where = with_context(self.context, f"component {METADATA_COMPONENT!r}")
+        doc = ComponentReader(self.store, self.metadata_digest, context=where).load()
+        if (
+            not isinstance(doc, dict)
+            or doc.get("format") != METADATA_FORMAT
+            or not isinstance(doc.get("metadata"), str)
+        ):
+            raise SerializationError(f"{where}: not the metadata of a DCP checkpoint")
+        return decode_metadata(doc["metadata"], where)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
+    ) -> None:
+        """Check the metadata came from this reader (its storage data says where items are)."""
+        if not isinstance(metadata.storage_data, dict):
+            raise ConfigError("CkptStoreReader can only load metadata it read itself")
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """The planner's plan, unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """The planners' plans, unchanged."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read every item of ``plan`` into the planner's tensors (verified), in parallel per
+        stored item, fetching each needed blob once and only the chunks a box touches."""
+        stored = self.stored_metadata()
+        groups: dict[Location, list[ReadItem]] = {}
+        for item in plan.items:
+            location = stored.metadata.storage_data.get(item.storage_index)
+            if location is None:
+                raise IntegrityError(
+                    f"{self.context}: the metadata has no location for {item.storage_index.fqn!r}"
+                )
+            if item.type == LoadItemType.BYTE_IO and not isinstance(planner, NoPickleLoadPlanner):
+                raise ConfigError(
+                    f"{item.storage_index.fqn!r} is a non-tensor value and "
+                    f"{type(planner).__name__} would unpickle it; load with "
+                    "planner=NoPickleLoadPlanner()"
+                )
+            groups.setdefault(location, []).append(item)
+        cache = _BlobCache(self.store)
+        tasks: list[tuple[Entry, str, list[tuple[ReadItem, int, int]]]] = []
+        for location, items in groups.items():
+            reader = self._rank_reader(stored, location.rank)
+            _, entry = _item_entry(reader, location.position)
+            where = with_context(reader.context, f"entry {entry.path}")
+            if not entry.is_array:
+                for item in items:
+                    planner.load_bytes(item, io.BytesIO(_stored_text(entry, item, where)))
+                continue
+            boxes = [(item, *_check_box(entry, item, where)) for item in items]
+            cache.need(reader, entry, [(lo, hi) for _, lo, hi in boxes])
+            tasks.append((entry, where, boxes))
+        if tasks:
+            workers = min(self.max_workers, len(tasks))
+            with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dcp-read") as pool:
+                for done in [pool.submit(self._read_boxes, *t, planner, cache) for t in tasks]:
+                    done.result()
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_boxes(
+        self,
+        entry: Entry,
+        where: str,
+        boxes: list[tuple[ReadItem, int, int]],
+        planner: LoadPlanner,
+        cache: _BlobCache,
+    ) -> None:
+        """Copy each box of one stored tensor into its target."""
+        dtype = torch_dtype(entry.dtype, where)
+        strides = _contiguous_strides(entry.shape)
+        for item, lo, hi in boxes:
+            target = planner.resolve_tensor(item).detach()
+            lengths = tuple(item.lengths)
+            if tuple(target.shape) != lengths:
+                raise IntegrityError(
+                    f"{where}: the target of {item.dest_index.fqn!r} has shape "
+                    f"{tuple(target.shape)}, the stored box {lengths}"
+                )
+            if hi > lo:
+                span = cache.read(entry, lo, hi, where)
+                target.copy_(torch.as_strided(span.view(dtype), lengths, strides))
+            planner.commit_tensor(item, target)
+
+    def _rank_reader(self, stored: StoredMetadata, rank: int) -> ComponentReader:
+        with self._lock:
+            reader = self._readers.get(rank)
+            if reader is None:
+                digest = stored.rank_indexes.get(rank)
+                if digest is None:
+                    raise IntegrityError(
+                        f"{self.context}: the metadata names no index for rank {rank}"
+                    )
+                context = with_context(self.context, f"component {rank_component(rank)!r}")
+                reader = self._readers[rank] = ComponentReader(self.store, digest, context=context)
+            return reader
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        """Never picked automatically by DCP: pass the reader explicitly."""
+        return False
+
+
+def _item_entry(reader: ComponentReader, position: int) -> tuple[int, Entry]:
+    """The entry (its number and itself) holding item ``position`` of a rank component (a
+    list, one entry per item)."""
+    tree = reader.index.tree
+    nodes = tree.get("l") if isinstance(tree, dict) else None
+    if not isinstance(nodes, list) or not 0 <= position < len(nodes):
+        raise IntegrityError(f"{reader.context}: no stored item {position}")
+    node = nodes[position]
+    number = node.get("e") if isinstance(node, dict) else None
+    if not isinstance(number, int) or not 0 <= number < len(reader.entries):
+        raise IntegrityError(f"{reader.context}: stored item {position} is not one entry")
+    return number, reader.entries[number]
+
+
+def _stored_text(entry: Entry, item: ReadItem, where: str) -> bytes:
+    """A plain value's JSON text, as the planner's ``load_bytes`` takes it."""
+    if item.type != LoadItemType.BYTE_IO or not isinstance(entry.value, str):
+        raise IntegrityError(
+            f"{where}: {item.storage_index.fqn!r} was saved as a plain value and is read as a "
+            "tensor (or the other way round)"
+        )
+    return entry.value.encode("utf-8")
+
+
+def _check_box(entry: Entry, item: ReadItem, where: str) -> tuple[int, int]:
+    """The byte span of the stored tensor that holds the box ``item`` reads, checked."""
+    if item.type != LoadItemType.TENSOR or entry.kind != "tensor":
+        raise IntegrityError(
+            f"{where}: {item.storage_index.fqn!r} is read as a tensor but was not stored as one"
+        )
+    offsets, lengths, shape = tuple(item.storage_offsets), tuple(item.lengths), entry.shape
+    if len(offsets) != len(shape) or len(lengths) != len(shape):
+        raise IntegrityError(
+            f"{where}: a {len(offsets)}-d box cannot be read from a {shape} tensor"
+        )
+    if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape, strict=True)):
+        raise IntegrityError(f"{where}: the box {offsets}+{lengths} lies outside {shape}")
+    if any(n == 0 for n in lengths):
+        return 0, 0
+    itemsize = torch_dtype(entry.dtype, where).itemsize
+    strides = _contiguous_strides(shape)
+    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+class _BlobCache:
+    """The blobs one ``read_data`` needs: each fetched (and verified) once, by whichever box
+    asks first, and dropped when the last box that needs it has been copied out."""
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._refs: dict[str, int] = {}
+        self._bounds: dict[str, int] = {}
+        self._blobs: dict[str, ConcurrentFuture[memoryview]] = {}
+        self._targets: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
+
+    def need(self, reader: ComponentReader, entry: Entry, spans: list[tuple[int, int]]) -> None:
+        """Count the blobs that the byte ``spans`` of ``entry`` will read."""
+        targets = self._targets.get(reader.index_digest)
+        if targets is None:
+            targets = self._targets[reader.index_digest] = {}
+            for e in reader.entries:
+                for s in e.segments:
+                    targets.setdefault(s.digest, []).append((e.path, s.offset, s.length))
+        for lo, hi in spans:
+            for seg, _, _, _ in _pieces(entry, lo, hi):
+                self._refs[seg.digest] = self._refs.get(seg.digest, 0) + 1
+                bound = max_blob_len(targets.get(seg.digest, []))
+                self._bounds[seg.digest] = max(self._bounds.get(seg.digest, 0), bound)
+
+    def read(self, entry: Entry, lo: int, hi: int, where: str) -> torch.Tensor:
+        """Bytes ``[lo, hi)`` of ``entry`` as a uint8 tensor (a view of the blob if it can)."""
+        pieces = _pieces(entry, lo, hi)
+        if len(pieces) == 1:
+            seg, a, b, pos = pieces[0]
+            raw = self._get(seg.digest, seg.offset + seg.length, where)
+            try:
+                if not raw.readonly:
+                    start = seg.offset + a - pos
+                    return torch.frombuffer(raw, dtype=torch.uint8)[start : start + b - a]
+            finally:
+                self._release(seg.digest)
+        out = torch.empty(hi - lo, dtype=torch.uint8)
+        sink = out.numpy()
+        for seg, a, b, pos in pieces:
+            raw = self._get(seg.digest, seg.offset + seg.length, where)
+            try:
+                source = np.frombuffer(raw, dtype=np.uint8)
+                start = seg.offset + a - pos
+                sink[a - lo : b - lo] = source[start : start + b - a]
+            finally:
+                self._release(seg.digest)
+        return out
+
+    def _get(self, digest: str, needed: int, where: str) -> memoryview:
+        with self._lock:
+            future = self._blobs.get(digest)
+            owner = future is None
+            if future is None:
+                future = self._blobs[digest] = ConcurrentFuture()
+        if owner:
+            try:
+                _, raw = get_blob(
+                    self.store, digest, context=where, max_raw_len=self._bounds.get(digest, needed)
+                )
+                if raw.nbytes < needed:
+                    raise IntegrityError(f"{where}: the entry points past the end of blob {digest}")
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            future.set_result(raw)
+        return future.result()
+
+    def _release(self, digest: str) -> None:
+        with self._lock:
+            self._refs[digest] = self._refs.get(digest, 1) - 1
+            if self._refs[digest] <= 0:
+                self._blobs.pop(digest, None)
+
+
+def _pieces(entry: Entry, lo: int, hi: int) -> list[tuple[Segment, int, int, int]]:
+    """The segments of ``entry`` that bytes ``[lo, hi)`` touch: (segment, start, stop, where
+    the segment starts in the entry)."""
+    pieces, pos = [], 0
+    for seg in entry.segments:
+        a, b = max(lo, pos), min(hi, pos + seg.length)
+        if a < b:
+            pieces.append((seg, a, b, pos))
+        pos += seg.length
+    return pieces
+
+
+# -- consolidation (export) -------------------------------------------------------------------
+
+
+def is_dcp_checkpoint(info: CheckpointInfo) -> bool:
+    """Whether the checkpoint was saved through :class:`CkptStoreWriter`."""
+    return any(c.name == METADATA_COMPONENT for c in info.components)
+
+
+def iter_full_tensors(
+    store: ObjectStore, info: CheckpointInfo
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a DCP checkpoint, whole (its shards put together), by its fqn -- the
+    state dict's own key path joined with dots (a model's ``state_dict()`` names)."""
+    reader = CkptStoreReader.for_checkpoint(store, info)
+    stored = reader.stored_metadata()
+    locations = stored.metadata.storage_data
+    for fqn, md in stored.metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for chunk in md.chunks:
+            location = locations.get(MetadataIndex(fqn, chunk.offsets))
+            if location is None:
+                raise IntegrityError(
+                    f"{reader.context}: no stored chunk {tuple(chunk.offsets)} of {fqn!r}"
+                )
+            component = reader._rank_reader(stored, location.rank)
+            position, _ = _item_entry(component, location.position)
+            value = component.load_entries([position])[position]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes):
+                raise IntegrityError(
+                    f"{reader.context}: chunk {tuple(chunk.offsets)} of {fqn!r} does not match "
+                    "the metadata"
+                )
+            box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
+            full[box] = value
+        yield fqn, full
