@@ -1,0 +1,196 @@
+"""Reading a committed Megatron checkpoint: its meta, its common state and any box of a tensor.
+
+Everything here comes from storage, so it is read through ckptstore's serializer (no pickle)
+and validated before use; a stored shard is fetched at most once per :class:`Source`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from ckptstore.integrations._megatron_layout import (
+    COMMON,
+    FORMAT,
+    META,
+    VERSION,
+    Box,
+    Layout,
+    ObjectShard,
+    TensorShard,
+    fill_box,
+    tensor_box,
+)
+from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.objectstore import ObjectStore
+from ckptstore.serialize.reader import ComponentReader
+from ckptstore.serialize.tree import rebuild
+
+#: metadata.json's fields (Megatron's CheckpointingConfig); nothing else is staged.
+CONFIG_FIELDS = {
+    "sharded_backend": str,
+    "sharded_backend_version": int,
+    "common_backend": str,
+    "common_backend_version": int,
+}
+
+
+def parse_meta(meta: Any, where: str) -> tuple[dict[str, Any], Layout]:
+    """metadata.json's content and the layout from a stored ``megatron/meta``; IntegrityError
+    if it is not one this module wrote."""
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise IntegrityError(f"{where}: {META} is not a ckptstore Megatron meta component")
+    if meta.get("version") != VERSION:
+        raise IntegrityError(
+            f"{where}: Megatron meta version {meta.get('version')!r} is not supported "
+            f"(this ckptstore reads {VERSION}); upgrade ckptstore"
+        )
+    config = meta.get("metadata")
+    if not isinstance(config, dict) or any(
+        not isinstance(config.get(name), kind) for name, kind in CONFIG_FIELDS.items()
+    ):
+        raise IntegrityError(f"{where}: {META} holds a malformed metadata.json")
+    return {name: config[name] for name in CONFIG_FIELDS}, Layout.from_json(
+        meta.get("layout"), where
+    )
+
+
+def meta_reader(store: ObjectStore, info: CheckpointInfo) -> ComponentReader:
+    """A reader of ``info``'s meta component; CheckpointNotFoundError if it has none."""
+    for comp in info.components:
+        if comp.name == META:
+            where = f"run {info.run!r}, step {info.step}, component {META!r}"
+            return ComponentReader(store, comp.index_digest, context=where)
+    raise CheckpointNotFoundError(
+        f"run {info.run!r} step {info.step} is not a Megatron checkpoint (no {META!r} "
+        "component); save it with ckptstore.integrations.megatron"
+    )
+
+
+class Source:
+    """One committed Megatron checkpoint, open for reading."""
+
+    def __init__(self, store: ObjectStore, info: CheckpointInfo, meta: Any = None) -> None:
+        self.store = store
+        self.info = info
+        self.where = f"run {info.run!r}, step {info.step}"
+        meta = meta_reader(store, info).load() if meta is None else meta
+        self.config, self.layout = parse_meta(meta, self.where)
+        self._tensors = self.layout.by_key()
+        self._readers: dict[str, ComponentReader] = {}
+        self._fetched: dict[tuple[str, str], torch.Tensor] = {}
+
+    def reader(self, component: str) -> ComponentReader:
+        """A reader of one of the checkpoint's components (its index fetched once)."""
+        if component not in self._readers:
+            comp = next((c for c in self.info.components if c.name == component), None)
+            if comp is None:
+                raise IntegrityError(f"{self.where}: the layout names a missing {component!r}")
+            context = f"{self.where}, component {component!r}"
+            self._readers[component] = ComponentReader(
+                self.store, comp.index_digest, context=context
+            )
+        return self._readers[component]
+
+    def fetch(self, shard: TensorShard) -> torch.Tensor:
+        """A stored shard's tensor (fetched and verified once)."""
+        at = (shard.component, shard.path)
+        if at not in self._fetched:
+            value = self.reader(shard.component).load_paths([shard.path])[shard.path]
+            if not isinstance(value, torch.Tensor):
+                raise IntegrityError(f"{self.where}: {shard.component}/{shard.path} is no tensor")
+            self._fetched[at] = value
+        return self._fetched[at]
+
+    def release(self) -> None:
+        """Drop the fetched shards (after a load)."""
+        self._fetched.clear()
+
+    def shards(self, key: str) -> list[TensorShard]:
+        """The stored shards of tensor ``key``; ConfigError if the checkpoint has none."""
+        if key not in self._tensors:
+            raise ConfigError(
+                f"{self.where} has no tensor {key!r}; it has {len(self._tensors)} tensors, "
+                f"e.g. {list(self._tensors)[:5]}; load with a matching sharded state dict"
+            )
+        return self._tensors[key]
+
+    def tensor(self, sharded: Any) -> torch.Tensor:
+        """The data of a requested Megatron ShardedTensor, resharded from the stored boxes."""
+        shards = self.shards(sharded.key)
+        stored = shards[0]
+        wanted = tuple(sharded.global_shape)
+        if stored.global_shape != wanted and not sharded.allow_shape_mismatch:
+            raise ConfigError(
+                f"tensor {sharded.key!r} is {list(stored.global_shape)} in {self.where} but "
+                f"{list(wanted)} in the requested state dict; build the model with the saved shape"
+            )
+        if stored.torch_dtype != sharded.dtype:
+            raise ConfigError(
+                f"tensor {sharded.key!r} is {stored.dtype} in {self.where} but "
+                f"{str(sharded.dtype).removeprefix('torch.')} in the requested state dict; "
+                "load at the saved dtype, then convert"
+            )
+        box = tensor_box(sharded)
+        out = torch.empty(tuple(sharded.local_shape), dtype=sharded.dtype)
+        fill_box(out.view(box[1]), box, sharded.key, shards, self.fetch, self.where)
+        return out
+
+    def object(self, sharded: Any) -> Any:
+        """The data of a requested Megatron ShardedObject (same key, shape and offset)."""
+        place = (sharded.key, tuple(sharded.global_shape), tuple(sharded.global_offset))
+        for found in self.layout.objects:
+            if (found.key, found.global_shape, found.global_offset) == place:
+                return self._subtree(found)
+        raise ConfigError(
+            f"{self.where} has no sharded object {sharded.unique_key!r}; objects cannot be "
+            "resharded, load with the split they were saved at"
+        )
+
+    def _subtree(self, shard: ObjectShard) -> Any:
+        """One top-level value of a rank component, rebuilt from only the entries it holds."""
+        reader = self.reader(shard.component)
+        tree = reader.index.tree
+        pairs = tree.get("d", []) if isinstance(tree, dict) else []
+        nodes = [p[1] for p in pairs if isinstance(p, list) and len(p) == 2 and p[0] == shard.path]
+        if len(nodes) != 1:
+            raise IntegrityError(f"{self.where}: {shard.component} has no object {shard.path!r}")
+        count = len(reader.entries)
+        positions = sorted({i for i in _entry_ids(nodes[0]) if 0 <= i < count})
+        loaded = reader.load_entries(positions)
+        return rebuild(nodes[0], [loaded.get(i) for i in range(count)], self.where)
+
+    def common(self) -> dict[str, Any]:
+        """The common state dict ({} if none was saved)."""
+        if not any(c.name == COMMON for c in self.info.components):
+            return {}
+        value = self.reader(COMMON).load()
+        if not isinstance(value, dict):
+            raise IntegrityError(f"{self.where}: {COMMON} is a {type(value).__name__}, not a dict")
+        return value
+
+    def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, whole, by key (each assembled from its shards, then released)."""
+        for key, shards in self._tensors.items():
+            shape = shards[0].global_shape
+            full = torch.empty(shape, dtype=shards[0].torch_dtype)
+            box: Box = ((0,) * len(shape), shape)
+            fill_box(full, box, key, shards, self.fetch, self.where)
+            self.release()
+            yield key, full
+
+
+def _entry_ids(node: Any) -> Iterator[int]:
+    """The entry numbers a structure node refers to (rebuild validates the node itself)."""
+    if isinstance(node, dict):
+        for tag, body in node.items():
+            if tag == "e" and isinstance(body, int):
+                yield body
+            else:
+                yield from _entry_ids(body)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _entry_ids(item)

@@ -1,0 +1,345 @@
+"""Megatron-Core ``dist_checkpointing`` through ckptstore: sharded save/load strategies.
+
+Quick use (every rank; rank 0 holds the writable run, other ranks a read-only run or a store)::
+
+    from ckptstore.integrations import megatron as ckpt_megatron
+    ckpt_megatron.save(model.sharded_state_dict(), run, step)          # or async_save=True
+    state = ckpt_megatron.load(model.sharded_state_dict(), run, step)  # any TP split
+
+Or, with Megatron's own entry points: ``dist_checkpointing.save(sd, dir,
+sharded_strategy=CkptStoreSaveStrategy(run, step))``, and :func:`register` to make
+``"ckptstore"`` a backend that ``dist_checkpointing.load`` finds through metadata.json.
+
+Each rank uploads the main replicas of its shards itself (``megatron/rank<r>``); rank 0
+commits them with ``megatron/meta`` (metadata.json and the layout) and ``megatron/common``
+(the common state dict) in one transaction, at the end of ``save`` or in the async request's
+finalize function -- only if every rank succeeded (see ``_megatron_commit``). Loading reads
+metadata.json and the common state from the store, never a pickle: Megatron's ``common.pt``,
+written by rank 0 into the local ``checkpoint_dir``, is read back once at save time with
+``torch.load(weights_only=True)`` and stored through ckptstore's serializer; a common state
+that is not plain (tensors, numbers, strings, containers) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing  # type: ignore[import-untyped]
+from megatron.core.dist_checkpointing.dict_utils import (  # type: ignore[import-untyped]
+    nested_values,
+)
+from megatron.core.dist_checkpointing.mapping import (  # type: ignore[import-untyped]
+    ShardedObject,
+    ShardedTensor,
+    is_main_replica,
+)
+from megatron.core.dist_checkpointing.strategies.async_utils import (  # type: ignore[import-untyped]
+    AsyncRequest,
+)
+from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[import-untyped]
+    AsyncSaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+
+from ckptstore.checkpointer.run import Run
+from ckptstore.errors import ConfigError
+from ckptstore.integrations._megatron_commit import (
+    Commit,
+    Outcome,
+    StoreSpec,
+    describe,
+    finish_save,
+    read_outcome,
+    upload,
+    upload_to_file,
+)
+from ckptstore.integrations._megatron_layout import (
+    META,
+    SHARD_PREFIX,
+    Layout,
+    ObjectShard,
+    tensor_shard,
+)
+from ckptstore.integrations._megatron_load import (
+    BACKEND,
+    BACKEND_VERSION,
+    CONFIG,
+    CkptStoreLoadCommonStrategy,
+    CkptStoreLoadStrategy,
+    StepOf,
+    iteration_of,
+)
+from ckptstore.integrations._megatron_source import Source
+from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.objectstore import ObjectStore, open_store
+
+__all__ = [
+    "BACKEND",
+    "BACKEND_VERSION",
+    "CkptStoreLoadCommonStrategy",
+    "CkptStoreLoadStrategy",
+    "CkptStoreSaveStrategy",
+    "is_megatron_checkpoint",
+    "iter_full_tensors",
+    "iteration_of",
+    "load",
+    "register",
+    "save",
+]
+
+
+def _store_of(target: Run | ObjectStore | str) -> ObjectStore:
+    if isinstance(target, Run):
+        return target.store
+    return target if isinstance(target, ObjectStore) else open_store(target, create=False)
+
+
+def _local_shards(
+    sharded_state_dict: Any, rank: int, *, snapshot: bool
+) -> tuple[dict[str, Any], Layout]:
+    """This rank's main replicas as one component's state, and their layout records."""
+    component = f"{SHARD_PREFIX}{rank}"
+    state: dict[str, Any] = {}
+    layout = Layout()
+    for item in nested_values(sharded_state_dict):
+        if isinstance(item, ShardedTensor) and is_main_replica(item.replica_id):
+            path = f"t{len(layout.tensors)}"
+            record = tensor_shard(item, component, path)
+            data = item.data.detach().reshape(record.shape)
+            state[path] = data.to("cpu", copy=True) if snapshot else data
+            layout = layout.merged(Layout(tensors=(record,)))
+        elif isinstance(item, ShardedObject) and is_main_replica(item.replica_id):
+            path = f"o{len(layout.objects)}"
+            state[path] = item.data
+            shape, offset = tuple(item.global_shape), tuple(item.global_offset)
+            obj = ObjectShard(item.key, component, path, shape, offset)
+            layout = layout.merged(Layout(objects=(obj,)))
+        elif not isinstance(item, (ShardedTensor, ShardedObject)):
+            raise ConfigError(
+                f"the sharded state dict holds a {type(item).__name__}; the ckptstore strategy "
+                "saves ShardedTensors and ShardedObjects"
+            )
+    return state, layout
+
+
+def _read_common(checkpoint_dir: str) -> Any:
+    """The common state dict rank 0 just wrote to ``common.pt`` (a local file of this job),
+    read with torch's weights-only loader; None if there is none."""
+    path = os.path.join(checkpoint_dir, "common.pt")
+    if not os.path.exists(path):
+        return None
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise ConfigError(
+            f"Megatron's common state dict ({path}) holds objects that are not plain data "
+            f"({describe(exc)}); ckptstore stores tensors, numbers, strings and containers "
+            "only -- convert the rest (e.g. argparse.Namespace -> vars(args)) before saving"
+        ) from None
+
+
+class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
+    """Megatron save strategy (sync and async) that stores shards and commits through ckptstore.
+
+    ``target``: a writable :class:`Run` on rank 0; a run, store or store URL on other ranks.
+    ``step``: the checkpoint's step; None takes it from ``checkpoint_dir`` with ``step_of``.
+    """
+
+    def __init__(
+        self,
+        target: Run | ObjectStore | str,
+        step: int | None = None,
+        *,
+        training_info: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
+        step_of: StepOf = iteration_of,
+    ) -> None:
+        super().__init__(BACKEND, BACKEND_VERSION)
+        self.run = target if isinstance(target, Run) else None
+        self.store = _store_of(target)
+        self.step = step
+        self.training_info = training_info
+        self.metrics = metrics
+        self.step_of = step_of
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """ShardedObjects are stored with the tensors (through ckptstore's serializer)."""
+        return True
+
+    def save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        """Store this rank's shards, then commit on rank 0 (collective; SaveError on failure)."""
+        rank, commit = dist.get_rank(), self._commit(str(checkpoint_dir))
+        try:
+            state, layout = _local_shards(sharded_state_dict, rank, snapshot=False)
+            outcome = upload(self.store, f"{SHARD_PREFIX}{rank}", state, rank, layout.to_json())
+        except Exception as exc:
+            outcome = Outcome(rank, error=describe(exc))
+        finish_save(_with_error(outcome, commit), commit, CONFIG)
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
+        """Snapshot this rank's shards to host memory and return Megatron's AsyncRequest: the
+        upload runs in Megatron's background process, the commit in its finalize function."""
+        rank, commit = dist.get_rank(), self._commit(str(checkpoint_dir))
+        workdir = tempfile.mkdtemp(prefix="ckptstore-megatron-async-")
+        result = os.path.join(workdir, "outcome.json")
+        try:
+            state, layout = _local_shards(sharded_state_dict, rank, snapshot=True)
+            args = (StoreSpec.of(self.store), f"{SHARD_PREFIX}{rank}", state, rank)
+            request = AsyncRequest(upload_to_file, (*args, layout.to_json(), result), [])
+            failed: Outcome | None = None
+        except Exception as exc:
+            request, failed = AsyncRequest(None, (), []), Outcome(rank, error=describe(exc))
+
+        def finalize() -> None:
+            try:
+                outcome = failed or read_outcome(result, rank)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+            finish_save(_with_error(outcome, commit), commit, CONFIG)
+
+        request.add_finalize_fn(finalize)
+        return request
+
+    def _commit(self, checkpoint_dir: str) -> Commit:
+        """The step, and on rank 0 the run and the common state, for this save."""
+        step = self.step if self.step is not None else self.step_of(checkpoint_dir)
+        if step is None:
+            raise ConfigError(
+                f"no step for the Megatron save to {checkpoint_dir!r}: name the directory "
+                "iter_<step> or pass CkptStoreSaveStrategy(run, step)"
+            )
+        commit = Commit(step, self.run, None, self.training_info, self.metrics)
+        if dist.get_rank() == 0:
+            try:
+                commit.common = _read_common(checkpoint_dir)
+            except ConfigError as exc:
+                commit.error = str(exc)
+        return commit
+
+
+def _with_error(outcome: Outcome, commit: Commit) -> Outcome:
+    """``outcome``, failed with rank 0's own preparation error if it had one."""
+    if commit.error is None or outcome.error is not None:
+        return outcome
+    return Outcome(outcome.rank, outcome.layout, None, commit.error)
+
+
+def register(target: Run | ObjectStore | str, *, step_of: StepOf = iteration_of) -> None:
+    """Make ``"ckptstore"`` a Megatron backend bound to ``target``: save with
+    ``sharded_strategy=("ckptstore", 1)``; ``dist_checkpointing.load`` then finds it through
+    metadata.json (load needs a Run). The step comes from the directory name (``step_of``)."""
+    save_strategy = CkptStoreSaveStrategy(target, step_of=step_of)
+    register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, BACKEND_VERSION, save_strategy)
+    if isinstance(target, Run):
+        for action, cls in (
+            (StrategyAction.LOAD_SHARDED, CkptStoreLoadStrategy),
+            (StrategyAction.LOAD_COMMON, CkptStoreLoadCommonStrategy),
+        ):
+            register_default_strategy(
+                action, BACKEND, BACKEND_VERSION, cls(target, step_of=step_of)
+            )
+
+
+def save(
+    sharded_state_dict: Any,
+    target: Run | ObjectStore | str,
+    step: int,
+    *,
+    checkpoint_dir: str | None = None,
+    async_save: bool = False,
+    training_info: dict[str, Any] | None = None,
+    metrics: dict[str, Any] | None = None,
+    validate_access_integrity: bool = True,
+) -> Any:
+    """Save a Megatron sharded state dict as checkpoint ``step`` (collective, every rank).
+
+    ``target`` as for :class:`CkptStoreSaveStrategy`. Megatron's local files go to
+    ``checkpoint_dir`` (default: a temporary directory, removed afterwards). Returns None, or
+    with ``async_save`` Megatron's ``AsyncRequest`` to schedule (``AsyncCallsQueue``); its
+    finalize functions commit.
+    """
+    strategy = CkptStoreSaveStrategy(target, step, training_info=training_info, metrics=metrics)
+    directory = checkpoint_dir or tempfile.mkdtemp(prefix="ckptstore-megatron-")
+
+    def cleanup() -> None:
+        if checkpoint_dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    try:
+        request = dist_checkpointing.save(
+            sharded_state_dict,
+            directory,
+            sharded_strategy=strategy,
+            async_sharded_save=async_save,
+            validate_access_integrity=validate_access_integrity,
+        )
+    except BaseException:
+        cleanup()
+        raise
+    if request is None:
+        cleanup()
+    else:
+        request.add_finalize_fn(cleanup)
+    return request
+
+
+def load(
+    sharded_state_dict: Any,
+    run: Run,
+    step: int | None = None,
+    *,
+    checkpoint_dir: str | None = None,
+    strict: Any = "assume_ok_unexpected",
+) -> Any:
+    """Load checkpoint ``step`` (default: the latest, as rank 0 sees it) into the split the
+    sharded state dict asks for (collective, every rank); returns Megatron's loaded state dict.
+
+    metadata.json is staged from the store into ``checkpoint_dir`` (default: a temporary
+    directory); anything else in that directory, a ``common.pt`` included, is never read.
+    """
+    if step is None and dist.is_initialized():
+        latest = run.latest() if dist.get_rank() == 0 else None
+        agreed = [None if latest is None else latest.step]
+        dist.broadcast_object_list(agreed, src=0)
+        step = agreed[0]
+    loaded = run.load(step, components=[META])
+    source = Source(run.store, loaded.info, loaded.state[META])
+    sharded = CkptStoreLoadStrategy(run, loaded.info.step)
+    common = CkptStoreLoadCommonStrategy(run, loaded.info.step)
+    sharded._source = common._source = source
+    directory = checkpoint_dir or tempfile.mkdtemp(prefix="ckptstore-megatron-")
+    try:
+        with open(os.path.join(directory, "metadata.json"), "w", encoding="utf-8") as out:
+            json.dump(source.config, out)
+        return dist_checkpointing.load(
+            sharded_state_dict,
+            directory,
+            sharded_strategy=sharded,
+            common_strategy=common,
+            strict=strict,
+        )
+    finally:
+        if checkpoint_dir is None:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def iter_full_tensors(
+    store: ObjectStore, info: CheckpointInfo
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole (consolidated) tensors of a Megatron checkpoint, by ShardedTensor key."""
+    return Source(store, info).full_tensors()
+
+
+def is_megatron_checkpoint(info: CheckpointInfo) -> bool:
+    """Whether ``info`` was saved through this module (it has a ``megatron/meta`` component)."""
+    return any(component.name == META for component in info.components)
