@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +87,39 @@ def export_component(
     reader = ComponentReader(store, index_digest, context=context)
     for entry in reader.entries:
         _check_tensor_name(entry.path)
+    _make_parent(path, context)
+    if fmt == "torch":
+        return _write_file(path, fmt, reader.load(), {}, context)
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, Any] = {}
+    for entry, value in zip(reader.entries, reader.values(), strict=True):
+        if isinstance(value, torch.Tensor):
+            tensors[entry.path] = value.contiguous()
+        elif isinstance(value, np.ndarray | np.generic):
+            tensors[entry.path] = torch.from_numpy(np.array(value))
+        elif isinstance(value, bytes | bytearray):
+            tensors[entry.path] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
+        else:
+            metadata[entry.path] = value if entry.kind == "json" else str(value)
+    return _write_file(path, fmt, tensors, metadata, context)
+
+
+def export_tensors(
+    tensors: Iterable[tuple[str, Any]], path: Path, fmt: str, *, context: str = ""
+) -> Path:
+    """Write whole tensors (name -> tensor; e.g. a multi-rank checkpoint consolidated by its
+    integration) as one file in ``fmt``; returns the file written."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format must be one of {FORMATS}, not {fmt!r}")
+    collected: dict[str, Any] = {}
+    for name, tensor in tensors:
+        _check_tensor_name(name)
+        collected[name] = tensor.contiguous()
+    _make_parent(path, context)
+    return _write_file(path, fmt, collected, {}, context)
+
+
+def _make_parent(path: Path, context: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # e.g. a file where a component needs a directory
@@ -94,26 +127,22 @@ def export_component(
             f"{context}: cannot make the directory '{printable(path.parent)}': "
             f"{exc.strerror or exc}"
         ) from exc
+
+
+def _write_file(path: Path, fmt: str, payload: Any, metadata: dict[str, Any], context: str) -> Path:
+    """Write ``payload`` (safetensors: name -> tensor, with ``metadata`` as JSON; torch: any
+    state) to a temporary name, then rename it into place."""
+    import torch
+
     tmp = path.with_name(f".{path.name}.partial")
     if fmt == "torch":
-        torch.save(reader.load(), tmp)
+        torch.save(payload, tmp)
     else:
         from safetensors.torch import save_file
 
-        tensors: dict[str, torch.Tensor] = {}
-        metadata: dict[str, Any] = {}
-        for entry, value in zip(reader.entries, reader.values(), strict=True):
-            if isinstance(value, torch.Tensor):
-                tensors[entry.path] = value.contiguous()
-            elif isinstance(value, np.ndarray | np.generic):
-                tensors[entry.path] = torch.from_numpy(np.array(value))
-            elif isinstance(value, bytes | bytearray):
-                tensors[entry.path] = torch.frombuffer(bytearray(value), dtype=torch.uint8)
-            else:
-                metadata[entry.path] = value if entry.kind == "json" else str(value)
         try:
             save_file(
-                tensors,
+                payload,
                 str(tmp),
                 metadata={"ckptstore.values": json.dumps(metadata, allow_nan=True)},
             )
