@@ -6,10 +6,11 @@ A save is this sequence of calls; every participant sees only its own part:
    only part that blocks training) and hands a :class:`SaveRequest` to the writer's queue.
 2. (background) :func:`run_save` inserts the ``pending`` row with the writer's epoch.
 3. (background, and in any worker holding shards) each component is chunked, hashed, deduplicated
-   against live blobs, compressed and uploaded; each yields a small ``ShardReceipt`` (component,
-   index digest, the blobs it references, byte counts), after one batched ``store.flush()``
-   makes its objects durable. Workers never need database access; they hand their receipts to
-   the process that commits.
+   (against the live blobs of the run's newest committed checkpoint, fetched in one query per
+   save; other blobs are probed in the store), compressed and uploaded; each yields a small
+   ``ShardReceipt`` (component, index digest, the blobs it references, byte counts), after one
+   batched ``store.flush()`` makes its objects durable. Workers never need database access;
+   they hand their receipts to the process that commits.
 4. (background) :func:`commit`: the receipts become blob claims and component rows, and one
    transaction checks the writer epoch (``FencedError`` for a stale writer), checks in the store
    every blob that is not a live row while holding the GC lock, records blobs, references and
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ class Writer:
     name: str
     epoch: int
     retention: RetentionPolicy
+    #: Fetches the manifest's live blobs this save will likely reuse (one query per save).
+    refresh_live: Callable[[], None] = lambda: None
 
 
 def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
@@ -87,6 +90,7 @@ def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
         writer.db, writer.run_id, request.step, writer.epoch, request.trigger
     )
     try:
+        writer.refresh_live()
         writer.blobs.forget()
         receipts = [
             ShardReceipt(name, write_flat(writer.blobs, flat), request.kinds.get(name, "state"))

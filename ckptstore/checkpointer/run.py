@@ -55,6 +55,8 @@ class Run:
         self.async_save = async_save
         self._owns = list(owns)
         self._snapshotter = Snapshotter()
+        #: The live blobs this run's current save will likely share (refreshed per save).
+        self._live: frozenset[str] = frozenset()
         self._blobs = BlobWriter(store, writer_options, known=self._is_live_blob)
         self._queue = SaveQueue(name)
         self._closed = False
@@ -139,12 +141,25 @@ class Run:
                 f"run {self.name!r} was opened read-only; open it with writable=True to save"
             )
         return commit.Writer(
-            self.db, self.store, self._blobs, self.id, self.name, self.epoch, self.retention
+            self.db,
+            self.store,
+            self._blobs,
+            self.id,
+            self.name,
+            self.epoch,
+            self.retention,
+            refresh_live=self._refresh_live,
         )
+
+    def _refresh_live(self) -> None:
+        """At the start of each save: one query for the live blobs it will likely reuse (the
+        newest committed checkpoint's). Blobs outside that set are probed in the store (an
+        existing object is not uploaded again); the commit re-checks every blob either way."""
+        self._live = reads.live_digests_to_reuse(self.db, self.id)
 
     def _is_live_blob(self, digest: str) -> bool:
         """The writer's dedup question: is this blob already stored (a live row)?"""
-        return reads.is_live_blob(self.db, digest)
+        return digest in self._live
 
     def finalize(self) -> CheckpointInfo | None:
         """Wait for the save in flight; raise its error if it failed and was not reported."""

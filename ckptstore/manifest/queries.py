@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -430,6 +430,28 @@ def checkpoints_of(
     if statuses:
         query = query.where(CheckpointRow.status.in_(statuses))
     return list(session.scalars(query.order_by(CheckpointRow.step, CheckpointRow.id)))
+
+
+def live_digests_to_reuse(session: Session, run_id: int) -> set[str]:
+    """The live blobs a new save of ``run_id`` most likely shares, in one statement: those of
+    its newest committed checkpoint (for a run with none yet, of the checkpoint it was forked
+    from)."""
+    newest = (
+        select(CheckpointRow.id)
+        .where(CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED)
+        .order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc())
+        .limit(1)
+        .scalar_subquery()
+    )
+    parent = select(RunRow.parent_checkpoint_id).where(RunRow.id == run_id).scalar_subquery()
+    source = func.coalesce(newest, parent)
+    return set(
+        session.scalars(
+            select(CheckpointBlobRow.digest)
+            .join(BlobRow, BlobRow.digest == CheckpointBlobRow.digest)
+            .where(CheckpointBlobRow.checkpoint_id == source, BlobRow.state == BlobState.LIVE)
+        )
+    )
 
 
 def checkpoint_digests(session: Session, checkpoint_id: int, *, limit: int) -> list[str]:

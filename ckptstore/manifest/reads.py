@@ -135,6 +135,13 @@ def is_live_blob(db: Database, digest: str) -> bool:
         return q.blob_state(session, digest) == BlobState.LIVE
 
 
+def live_digests_to_reuse(db: Database, run_id: int) -> frozenset[str]:
+    """The live blobs the run's next save most likely shares (its newest committed checkpoint's,
+    or its fork parent's): the writer's dedup set, one query per save."""
+    with db.read() as session:
+        return frozenset(q.live_digests_to_reuse(session, run_id))
+
+
 def corrupt_referencing(db: Database, digests: Sequence[str]) -> list[int]:
     """Ids of corrupt checkpoints that reference any of ``digests``."""
     with db.read() as session:

@@ -720,3 +720,61 @@ def test_run_summary_ignores_non_numeric_metrics(db_url: str, store: LocalStore)
             run.save(step, {"policy": weights(step, n=1, numel=20_000)}, metrics={"val:loss": loss})
         run.finalize()
         assert run_summary(run)["best_metric"] == pytest.approx(1.5)
+
+
+# -- 10. dedup asks the manifest once per save -----------------------------------------------------
+
+
+class ProbeCountingStore(LocalStore):
+    """A LocalStore that counts ``exists`` and ``put`` calls (what dedup costs the store)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.probes = 0
+
+    def exists(self, key: str) -> bool:
+        self.probes += 1
+        return super().exists(key)
+
+    def put(self, key: str, data: Any, **kwargs: Any) -> Any:
+        self.probes += 1
+        return super().put(key, data, **kwargs)
+
+
+def test_an_unchanged_save_asks_the_manifest_once_and_probes_nothing(
+    db_url: str, tmp_path: Path
+) -> None:
+    """The writer's dedup set is one query per save (the newest committed checkpoint's live
+    blobs): an unchanged re-save uploads nothing and touches no object, however many blobs."""
+    from sqlalchemy import event
+
+    store = ProbeCountingStore(tmp_path / "counted")
+    options = WriterOptions(chunk_bytes=1 << 20, pack_threshold=1 << 20)
+    state = {"model": {f"w{i}": torch.randn(512, 1024) for i in range(6)}}  # 12 chunks
+    with open_run("dedup", db=db_url, store=store, writer_options=options) as run:
+        first = run.save(1, state).wait()
+        statements: list[str] = []
+
+        def count(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+            statements.append(statement)
+
+        event.listen(run.db.engine, "before_cursor_execute", count)
+        store.probes = 0
+        second = run.save(2, state).wait()
+        event.remove(run.db.engine, "before_cursor_execute", count)
+    assert first.uploaded_bytes > 0
+    assert second.uploaded_bytes == 0
+    assert second.stored_bytes == first.stored_bytes
+    # No object was probed or written: every blob, the index too, was in the dedup set.
+    assert store.probes == 0
+    lookups = [s for s in statements if "blobs.state" in s and "checkpoint_blobs" in s]
+    assert len(lookups) == 1, statements
+
+
+def test_a_forks_first_save_reuses_its_parents_blobs(db_url: str, store: LocalStore) -> None:
+    state = model_state(5)
+    with open_run("parent", db=db_url, store=store) as parent:
+        parent.save(3, state).wait()
+    with open_run("forked", db=db_url, store=store, fork_from="parent@3") as child:
+        info = child.save(4, state).wait()
+    assert info.uploaded_bytes == 0
