@@ -36,6 +36,7 @@ import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future as ConcurrentFuture
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -359,7 +361,7 @@ def save(
             if key is not None:
                 _stagers[key] = stager
     result: ConcurrentFuture[CheckpointInfo | None] = ConcurrentFuture()
-    with _single_process_ok():
+    if _distributed():
         upload = dcp_async_save(
             state_dict,
             storage_writer=writer,
@@ -367,6 +369,8 @@ def save(
             process_group=process_group,
             async_stager=stager,
         )
+    else:
+        upload = _async_in_one_process(state_dict, writer, planner, stager)
 
     def settle(done: ConcurrentFuture[Any]) -> None:
         error = done.exception()
@@ -446,6 +450,7 @@ def _load_one(
     max_workers: int,
 ) -> None:
     reader = CkptStoreReader.for_checkpoint(run.store, info, max_workers=max_workers)
+    reader.stored_metadata()  # a malformed document is refused here, by name, not inside DCP
     try:
         with _single_process_ok():
             dcp_load(
@@ -493,9 +498,33 @@ def _load_error(exc: CheckpointException, what: str) -> CkptStoreError:
 
 
 def _rank(process_group: dist.ProcessGroup | None) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(process_group)
+    return dist.get_rank(process_group) if _distributed() else 0
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _async_in_one_process(
+    state_dict: dict[str, Any],
+    writer: CkptStoreWriter,
+    planner: SavePlanner,
+    stager: SnapshotStager,
+) -> ConcurrentFuture[Any]:
+    """``dcp.async_save`` without a process group: staged here, saved on a thread of its own
+    -- where DCP's "assuming a single process" warning is raised, and silenced."""
+    staged = stager.stage(
+        {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+    )
+
+    def save_staged() -> None:
+        with _single_process_ok():
+            dcp_save(staged, storage_writer=writer, planner=planner)
+
+    executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-dcp-async")
+    upload = executor.submit(save_staged)
+    upload.add_done_callback(lambda _: executor.shutdown(wait=False))
+    return upload
 
 
 @contextlib.contextmanager

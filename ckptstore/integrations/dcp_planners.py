@@ -54,10 +54,24 @@ class NoPickleLoadPlanner(DefaultLoadPlanner):
 
 
 def _set_element(root: Any, path: Any, value: Any) -> None:
+    """Put ``value`` at ``path`` in the caller's state dict. DCP's flattening records dict keys
+    as strings, so a key that exists as an int (``{1: ...}``) is matched by its text: the value
+    lands under the caller's own key, not beside it under ``"1"``."""
     # torch's own helper for the default planner's key paths; pinned with torch==2.13.
     from torch.distributed.checkpoint._traverse import set_element
 
-    set_element(root, path, value)
+    keys, node = [], root
+    for key in path:
+        if isinstance(node, Mapping) and key not in node:
+            key = next((k for k in node if str(k) == str(key)), key)
+        keys.append(key)
+        if isinstance(node, Mapping):
+            node = node.get(key)
+        elif isinstance(node, list) and isinstance(key, int) and 0 <= key < len(node):
+            node = node[key]
+        else:
+            node = None
+    set_element(root, tuple(keys), value)
 
 
 # -- staging ----------------------------------------------------------------------------------
