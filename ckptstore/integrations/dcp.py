@@ -468,14 +468,17 @@ def _failures(exc: CheckpointException) -> list[tuple[int, BaseException]]:
     return found
 
 
-def _save_error(exc: CheckpointException, what: str) -> SaveError:
+def _summary(exc: CheckpointException) -> tuple[str, BaseException]:
+    """Which ranks failed and the first rank's error, for a message; and that error."""
     failures = _failures(exc)
-    ranks = [r for r, _ in failures]
     rank, first = failures[0] if failures else (-1, exc)
-    error = SaveError(
-        f"{what} failed on rank(s) {ranks} and nothing was committed; rank {rank}: "
-        f"{type(first).__name__}: {first}"
-    )
+    ranks = [r for r, _ in failures]
+    return f"rank(s) {ranks}; rank {rank}: {type(first).__name__}: {first}", first
+
+
+def _save_error(exc: CheckpointException, what: str) -> SaveError:
+    summary, first = _summary(exc)
+    error = SaveError(f"{what} failed and nothing was committed: failed on {summary}")
     error.__cause__ = first
     return error
 
@@ -488,11 +491,8 @@ def _load_error(exc: CheckpointException, what: str) -> CkptStoreError:
     for _, error in failures:
         if isinstance(error, CkptStoreError):
             return error
-    rank, first = failures[0] if failures else (-1, exc)
-    wrapped = CkptStoreError(
-        f"the DCP load of {what} failed on rank(s) {[r for r, _ in failures]}; rank {rank}: "
-        f"{type(first).__name__}: {first}"
-    )
+    summary, first = _summary(exc)
+    wrapped = CkptStoreError(f"the DCP load of {what} failed on {summary}")
     wrapped.__cause__ = first
     return wrapped
 

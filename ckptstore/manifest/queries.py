@@ -356,18 +356,23 @@ def latest_committed(
     ).one_or_none()
 
 
-def latest_with_components(
-    session: Session, run_id: int
-) -> tuple[CheckpointRow, list[ComponentRow]] | None:
-    """The newest committed checkpoint and its components in one statement: the indexed
-    lookup of the newest row, joined with its components by primary key."""
-    newest = (
+def newest_committed_id(run_id: int) -> Any:
+    """A scalar subquery: the id of the run's newest committed checkpoint (indexed)."""
+    return (
         select(CheckpointRow.id)
         .where(CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED)
         .order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc())
         .limit(1)
         .scalar_subquery()
     )
+
+
+def latest_with_components(
+    session: Session, run_id: int
+) -> tuple[CheckpointRow, list[ComponentRow]] | None:
+    """The newest committed checkpoint and its components in one statement: the indexed
+    lookup of the newest row, joined with its components by primary key."""
+    newest = newest_committed_id(run_id)
     rows = session.execute(
         select(CheckpointRow, ComponentRow)
         .outerjoin(ComponentRow, ComponentRow.checkpoint_id == CheckpointRow.id)
@@ -436,13 +441,7 @@ def live_digests_to_reuse(session: Session, run_id: int) -> set[str]:
     """The live blobs a new save of ``run_id`` most likely shares, in one statement: those of
     its newest committed checkpoint (for a run with none yet, of the checkpoint it was forked
     from)."""
-    newest = (
-        select(CheckpointRow.id)
-        .where(CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED)
-        .order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc())
-        .limit(1)
-        .scalar_subquery()
-    )
+    newest = newest_committed_id(run_id)
     parent = select(RunRow.parent_checkpoint_id).where(RunRow.id == run_id).scalar_subquery()
     source = func.coalesce(newest, parent)
     return set(
