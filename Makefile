@@ -8,7 +8,7 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-slow stress lint format bench clean
+.PHONY: demo test test-slow stress lint format bench bench-dcp clean
 
 $(VENV)/.installed-core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,10 @@ format: $(VENV)/.installed-dev
 ## bench: the storage benchmark against torch.save/torch.load and safetensors
 bench: $(VENV)/.installed-dev
 	$(PY) bench/bench_store.py
+
+## bench-dcp: 2-rank DCP save/load, ckptstore against DCP's FileSystemWriter/Reader (~1 min)
+bench-dcp: $(VENV)/.installed-dev
+	$(PY) bench/bench_dcp_multirank.py
 
 clean:
 	rm -rf $(VENV) .ckptstore .pytest_cache .mypy_cache .ruff_cache
