@@ -289,8 +289,12 @@ def main() -> None:
         int(sys.argv[6]),
         sys.argv[7],
     )
+    # A file rendezvous: with rank 0 hosting a TCP store, a rank still shutting down its
+    # process group after rank 0 exited can abort ("terminate called ..."). The port stays
+    # in the arguments for the launcher's sake only.
+    del port
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
+        "gloo", rank=rank, world_size=world, init_method=f"file://{scratch / 'pg-rendezvous'}"
     )
     mesh = init_device_mesh("cpu", (world,))
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """One rank of the multi-process DCP tests (tests/integrations/test_dcp_multirank.py).
 
-Run as ``python dcp_child.py RANK WORLD PORT DB STORE OUT``: every rank runs the same scenarios
+Run as ``python dcp_child.py RANK WORLD DB STORE OUT``: every rank runs the same scenarios
 in order over gloo on CPU; rank 0 writes what it observed to ``OUT`` (JSON) for the test to
 check. Any failed expectation exits non-zero with the traceback.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,11 +63,12 @@ def check_equal(loaded: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    db, store, out = sys.argv[4], sys.argv[5], sys.argv[6]
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}"
-    )
+    rank, world = int(sys.argv[1]), int(sys.argv[2])
+    db, store, out = sys.argv[3], sys.argv[4], sys.argv[5]
+    # A file rendezvous, not rank 0's TCP store: with the store in rank 0, a rank still in
+    # destroy_process_group when rank 0 has exited aborts ("terminate called ...").
+    rendezvous = Path(out).with_name("pg-rendezvous")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{rendezvous}")
     mesh = init_device_mesh("cpu", (world,))
     observed: dict[str, Any] = {}
     # Only rank 0 holds the writable run (it commits); the others write with nothing but the

@@ -132,7 +132,10 @@ def run_rank(rank: int, world: int, port: int, config: dict[str, Any]) -> dict[s
     from ckptstore.integrations import megatron as mcore
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous, not rank 0's TCP store: with the store in rank 0, a rank still in
+    # destroy_process_group when rank 0 has exited aborts ("terminate called ...").
+    rendezvous = os.path.join(config["out"], "pg-rendezvous")
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{rendezvous}")
     store = ckptstore.open_store(config["store"], **config.get("store_options", {}))
     # Only rank 0 commits, so only rank 0 opens the run for writing (fencing allows one).
     run = ckptstore.open_run(config["run"], db=config["db"], store=store, writable=rank == 0)

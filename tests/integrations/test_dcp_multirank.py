@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,28 +24,22 @@ from ckptstore.integrations import dcp as ckpt_dcp
 from ckptstore.testing.factories import S3StoreFactory
 
 CHILD = Path(__file__).with_name("dcp_child.py")
-WORLD = 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def launch(tmp_path: Path, db: str, store: str, env: dict[str, str]) -> dict[str, Any]:
-    """Run the child on every rank; the observations rank 0 wrote."""
+def launch(
+    tmp_path: Path, db: str, store: str, env: dict[str, str], world: int = 2
+) -> dict[str, Any]:
+    """Run the child on ``world`` ranks; the observations rank 0 wrote."""
     out = tmp_path / "observed.json"
-    port = str(free_port())
     children = [
         subprocess.Popen(
-            [sys.executable, str(CHILD), str(rank), str(WORLD), port, db, store, str(out)],
+            [sys.executable, str(CHILD), str(rank), str(world), db, store, str(out)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=tmp_path,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     outputs = []
     for child in children:
@@ -73,9 +66,10 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def check_run(observed: dict[str, Any], db: str, store: str) -> None:
-    """What the ranks reported, then the checkpoint from one process (2 -> 1)."""
-    assert observed["components"] == ["dcp/metadata", "dcp/rank0", "dcp/rank1"]
+def check_run(observed: dict[str, Any], db: str, store: str, world: int = 2) -> None:
+    """What the ranks reported, then the checkpoint from one process (world -> 1)."""
+    ranks = [f"dcp/rank{r}" for r in range(world)]
+    assert observed["components"] == ["dcp/metadata", *ranks]
     assert observed["step1_uploaded"] > 0
     # An unchanged re-save: the data blobs are all known; at most indexes are new.
     assert observed["resave_uploaded"] < 0.01 * observed["step1_logical"], observed
@@ -107,6 +101,15 @@ def test_dcp_two_ranks_local(tmp_path: Path) -> None:
     db, store = str(tmp_path / "manifest.db"), str(tmp_path / "store")
     observed = launch(tmp_path, db, store, child_env())
     check_run(observed, db, store)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dcp_four_ranks_local(tmp_path: Path) -> None:
+    """The same scenarios on 4 ranks (uneven shards: 5 rows over 4 ranks)."""
+    db, store = str(tmp_path / "manifest.db"), str(tmp_path / "store")
+    observed = launch(tmp_path, db, store, child_env(), world=4)
+    check_run(observed, db, store, world=4)
 
 
 @pytest.mark.integration
