@@ -59,5 +59,17 @@ def test_the_dcp_example_saves_resumes_and_exports(tmp_path: Path) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_the_megatron_example_saves_and_loads(tmp_path: Path) -> None:
+def test_the_megatron_example_saves_loads_and_exports(tmp_path: Path) -> None:
     assert "fc1.weight (1024, 256)" in torchrun(tmp_path, "train_megatron.py")
+    cli = Path(sys.executable).with_name("ckptstore")
+    done = subprocess.run(
+        [str(cli), "export", "megatron-demo@100", "out"],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stderr == ""  # not even Megatron's import-time notices
+    tensors = load_file(tmp_path / "out" / "consolidated.safetensors")
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == {"fc1.weight": (1024, 256)}
