@@ -67,6 +67,7 @@ from ckptstore.integrations._megatron_layout import (
     SHARD_PREFIX,
     Layout,
     ObjectShard,
+    TensorShard,
     tensor_shard,
 )
 from ckptstore.integrations._megatron_load import (
@@ -109,26 +110,26 @@ def _local_shards(
     """This rank's main replicas as one component's state, and their layout records."""
     component = f"{SHARD_PREFIX}{rank}"
     state: dict[str, Any] = {}
-    layout = Layout()
+    tensors: list[TensorShard] = []
+    objects: list[ObjectShard] = []
     for item in nested_values(sharded_state_dict):
         if isinstance(item, ShardedTensor) and is_main_replica(item.replica_id):
-            path = f"t{len(layout.tensors)}"
+            path = f"t{len(tensors)}"
             record = tensor_shard(item, component, path)
             data = item.data.detach().reshape(record.shape)
             state[path] = data.to("cpu", copy=True) if snapshot else data
-            layout = layout.merged(Layout(tensors=(record,)))
+            tensors.append(record)
         elif isinstance(item, ShardedObject) and is_main_replica(item.replica_id):
-            path = f"o{len(layout.objects)}"
+            path = f"o{len(objects)}"
             state[path] = item.data
             shape, offset = tuple(item.global_shape), tuple(item.global_offset)
-            obj = ObjectShard(item.key, component, path, shape, offset)
-            layout = layout.merged(Layout(objects=(obj,)))
+            objects.append(ObjectShard(item.key, component, path, shape, offset))
         elif not isinstance(item, (ShardedTensor, ShardedObject)):
             raise ConfigError(
                 f"the sharded state dict holds a {type(item).__name__}; the ckptstore strategy "
                 "saves ShardedTensors and ShardedObjects"
             )
-    return state, layout
+    return state, Layout(tuple(tensors), tuple(objects))
 
 
 def _read_common(checkpoint_dir: str) -> Any:
