@@ -404,8 +404,10 @@ def load(
     """Load ``step`` (default: the newest committed checkpoint) into ``state_dict`` in place,
     resharded to its layout; call it on every rank with a run (read-only is enough).
 
-    When loading the newest checkpoint and it fails verification on any rank, the coordinator
-    marks it corrupt and every rank falls back to the previous committed one (``fallback``).
+    Without a step, the coordinator picks the newest committed checkpoint and tells the others,
+    so every rank loads the same one even while a writer commits newer ones. When it fails
+    verification on any rank, the coordinator marks it corrupt and every rank falls back to the
+    previous committed one (``fallback``).
     Returns the checkpoint that was loaded. Errors: ``IntegrityError`` (damaged data),
     ``CheckpointNotFoundError``, or the ckptstore error a rank raised.
     """
@@ -418,7 +420,7 @@ def load(
     before: int | None = None
     skipped: list[int] = []
     while True:
-        found = reads.newest_committed(run.db, key, before_step=before)
+        found = _newest_for_all(run, before, process_group)
         if found is None:
             detail = f"; skipped corrupt steps {skipped}" if skipped else ""
             raise CheckpointNotFoundError(
@@ -439,6 +441,28 @@ def load(
                 "run %r: loaded step %d after skipping corrupt %s", run.name, found.step, skipped
             )
         return found
+
+
+def _newest_for_all(
+    run: Run, before: int | None, process_group: dist.ProcessGroup | None
+) -> CheckpointInfo | None:
+    """The newest committed checkpoint (below ``before``) as the coordinator sees it, the same
+    on every rank: ranks that asked the database themselves could see different ones."""
+    key = (run.id, run.name)
+    if not _distributed():
+        return reads.newest_committed(run.db, key, before_step=before)
+    found = (
+        reads.newest_committed(run.db, key, before_step=before)
+        if _rank(process_group) == 0
+        else None
+    )
+    chosen: list[int | None] = [None if found is None else found.step]
+    source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    dist.broadcast_object_list(chosen, src=source, group=process_group)
+    step = chosen[0]
+    if found is not None or step is None:
+        return found
+    return reads.committed_at(run.db, key, step)
 
 
 def _load_one(
