@@ -172,6 +172,7 @@ def main() -> None:
     reader.close()
     if writer is not None:
         writer.close()
+    dist.barrier()  # tear the group down together (see the note at the bottom)
     dist.destroy_process_group()
 
 
