@@ -14,14 +14,15 @@ Each rank uploads the main replicas of its shards itself (``megatron/rank<r>``);
 commits them with ``megatron/meta`` (metadata.json and the layout) and ``megatron/common``
 (the common state dict) in one transaction, at the end of ``save`` or in the async request's
 finalize function -- only if every rank succeeded (see ``_megatron_commit``). Loading reads
-metadata.json and the common state from the store, never a pickle: Megatron's ``common.pt``,
-written by rank 0 into the local ``checkpoint_dir``, is read back once at save time with
-``torch.load(weights_only=True)`` and stored through ckptstore's serializer; a common state
-that is not plain (tensors, numbers, strings, containers) is refused.
+metadata.json and the common state from the store, never a pickle: the common state dict is
+taken in memory from Megatron's own common strategy as it writes ``common.pt`` into the local
+``checkpoint_dir`` (the file is never read back) and stored through ckptstore's serializer; a
+common state that is not plain (tensors, numbers, strings, containers) is refused.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -46,12 +47,14 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (  # type: i
 )
 from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[import-untyped]
     AsyncSaveShardedStrategy,
+    SaveCommonStrategy,
     StrategyAction,
+    get_default_strategy,
     register_default_strategy,
 )
 
 from ckptstore.checkpointer.run import Run
-from ckptstore.errors import ConfigError
+from ckptstore.errors import ConfigError, SerializationError
 from ckptstore.integrations._megatron_commit import (
     Commit,
     Outcome,
@@ -82,6 +85,7 @@ from ckptstore.integrations._megatron_load import (
 from ckptstore.integrations._megatron_source import Source
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.serialize.save import flatten_state
 
 __all__ = [
     "BACKEND",
@@ -132,20 +136,58 @@ def _local_shards(
     return state, Layout(tuple(tensors), tuple(objects))
 
 
-def _read_common(checkpoint_dir: str) -> Any:
-    """The common state dict rank 0 just wrote to ``common.pt`` (a local file of this job),
-    read with torch's weights-only loader; None if there is none."""
-    path = os.path.join(checkpoint_dir, "common.pt")
-    if not os.path.exists(path):
-        return None
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise ConfigError(
-            f"Megatron's common state dict ({path}) holds objects that are not plain data "
-            f"({describe(exc)}); ckptstore stores tensors, numbers, strings and containers "
-            "only -- convert the rest (e.g. argparse.Namespace -> vars(args)) before saving"
-        ) from None
+class _KeepCommonStrategy(SaveCommonStrategy):  # type: ignore[misc]
+    """Megatron's own common strategy, which also hands the common state dict to ckptstore's
+    save strategy in memory: ``common.pt`` is written for Megatron's tools as before, and is
+    never read back (Megatron's ``save`` accepts no other common strategy than its default)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner.backend, inner.version)
+        self.inner = inner
+
+    def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
+        """Keep a copy of the common state for this save's commit, then save it as Megatron does."""
+        if dist.get_rank() == 0:
+            _kept_common[os.path.abspath(checkpoint_dir)] = copy.deepcopy(common_state_dict)
+        self.inner.save_common(common_state_dict, checkpoint_dir)
+
+    def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: Any) -> None:
+        """As Megatron's own strategy does."""
+        self.inner.save_sharded_objects(sharded_objects_state_dict, checkpoint_dir)
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """As Megatron's own strategy."""
+        return bool(self.inner.can_handle_sharded_objects)
+
+
+#: checkpoint_dir -> the common state dict Megatron saved there in this process (rank 0).
+_kept_common: dict[str, Any] = {}
+
+
+def _keep_common_states() -> None:
+    """Put :class:`_KeepCommonStrategy` in front of Megatron's default common strategy (once)."""
+    current = get_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1)
+    if not isinstance(current, _KeepCommonStrategy):
+        register_default_strategy(
+            StrategyAction.SAVE_COMMON, "torch", 1, _KeepCommonStrategy(current)
+        )
+
+
+def _take_common(checkpoint_dir: str) -> Any:
+    """The common state Megatron just saved to ``checkpoint_dir`` (None if it saved none),
+    checked to be plain data ckptstore can store."""
+    common = _kept_common.pop(os.path.abspath(checkpoint_dir), None)
+    if common is not None:
+        try:
+            flatten_state(common)
+        except SerializationError as exc:
+            raise ConfigError(
+                f"Megatron's common state dict holds objects that are not plain data ({exc}); "
+                "ckptstore stores tensors, numbers, strings and containers only -- convert the "
+                "rest (e.g. argparse.Namespace -> vars(args)) before saving"
+            ) from None
+    return common
 
 
 class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
@@ -165,6 +207,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         step_of: StepOf = iteration_of,
     ) -> None:
         super().__init__(BACKEND, BACKEND_VERSION)
+        _keep_common_states()
         self.run = target if isinstance(target, Run) else None
         self.store = _store_of(target)
         self.step = step
@@ -222,7 +265,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         commit = Commit(step, self.run, None, self.training_info, self.metrics)
         if dist.get_rank() == 0:
             try:
-                commit.common = _read_common(checkpoint_dir)
+                commit.common = _take_common(checkpoint_dir)
             except ConfigError as exc:
                 commit.error = str(exc)
         return commit

@@ -1,8 +1,8 @@
 """Plain (non-tensor) values as JSON text, where other checkpointers would pickle them.
 
-torch DCP's default planners ``torch.save`` every non-tensor value of a state dict and load it
-back with ``torch.load(weights_only=False)``: a bucket that anyone can write to runs code on
-every rank that loads from it. The no-pickle planners encode such values with this module
+torch DCP's default planners pickle every non-tensor value of a state dict and unpickle it on
+load with nothing restricting what it may build: a bucket that anyone can write to runs code
+on every rank that loads from it. The no-pickle planners encode such values with this module
 instead: JSON, with a tag for what JSON lacks (tuples, dicts with int keys, bytes, non-finite
 floats, ``torch.Size``, ``torch.dtype``). Decoding builds only these types, never calls
 anything, and refuses anything malformed with the value's path.
@@ -45,10 +45,9 @@ def decode_plain(data: bytes | bytearray | memoryview, path: str) -> Any:
     try:
         doc = json.loads(bytes(data))
     except (ValueError, RecursionError):
-        head = bytes(data[:2])
-        hint = (
-            " (it looks like a pickle, which ckptstore never loads)" if head[:1] == b"\x80" else ""
-        )
+        # A pickle starts with the PROTO opcode 0x80 (UTF-8-encoded when it came as text).
+        pickled = bytes(data[:2]).startswith((b"\x80", b"\xc2\x80"))
+        hint = " (it looks like a pickle, which ckptstore never loads)" if pickled else ""
         raise SerializationError(
             f"{path}: the stored value is not ckptstore's plain-value JSON{hint}; it was written "
             "by another planner or has been tampered with"

@@ -719,7 +719,7 @@ def test_planted_pickle_in_a_rank_component_is_never_run(run: Run, tmp_path: Pat
     ).wait()
 
     target = {"w": torch.zeros(3), "note": ""}
-    with pytest.raises(SerializationError, match="note: the stored value is not ckptstore's"):
+    with pytest.raises(SerializationError, match=r"note: .* \(it looks like a pickle"):
         ckpt_dcp.load(target, run, step=2)
     assert not marker.exists()
     assert target["note"] == ""

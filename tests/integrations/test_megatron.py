@@ -210,6 +210,25 @@ def test_a_common_state_that_is_not_plain_is_refused(run: Any) -> None:
     assert run.checkpoints() == []
 
 
+def test_the_common_state_is_stored_without_reading_common_pt_back(
+    run: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron writes common.pt; ckptstore takes the common state in memory and never loads
+    that file (no unpickling, not even weights-only)."""
+
+    def no_load(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torch.load was called during a save")
+
+    monkeypatch.setattr(torch, "load", no_load)
+    state = model.sharded_state_dict(1, 0, 1)
+    state["iteration"] = 7
+    state["lr_schedule"] = {"lr": 0.5, "warmup": (10, 20)}
+    mcore.save(state, run, 1)
+    monkeypatch.undo()
+    common = run.load(1, components=["megatron/common"]).state["megatron/common"]
+    assert common == {"iteration": 7, "lr_schedule": {"lr": 0.5, "warmup": (10, 20)}}
+
+
 def test_registered_backend_loads_through_megatron_entry_points(run: Any, tmp_path: Path) -> None:
     from megatron.core import dist_checkpointing
 
