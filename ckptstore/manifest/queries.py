@@ -143,11 +143,6 @@ def mark(
     return bool(getattr(result, "rowcount", 0))
 
 
-def blob_state(session: Session, digest: str) -> str | None:
-    """The blob's state (live/condemned), or None if it has no row."""
-    return session.scalar(select(BlobRow.state).where(BlobRow.digest == digest))
-
-
 def condemn_blob(session: Session, digest: str) -> None:
     """Take a damaged blob out of service: the next save that needs it uploads it again."""
     session.execute(

@@ -13,7 +13,7 @@ from sqlalchemy import select
 from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.models import BlobState, CheckpointRow, RunRow, Status
+from ckptstore.manifest.models import CheckpointRow, RunRow, Status
 from ckptstore.manifest.records import CheckpointInfo, RunInfo
 
 
@@ -127,12 +127,6 @@ def some_digests(db: Database, checkpoint_id: int, *, limit: int) -> list[str]:
     """Up to ``limit`` digests the checkpoint references."""
     with db.read() as session:
         return q.checkpoint_digests(session, checkpoint_id, limit=limit)
-
-
-def is_live_blob(db: Database, digest: str) -> bool:
-    """True if the blob has a live row (a writer may skip uploading it)."""
-    with db.read() as session:
-        return q.blob_state(session, digest) == BlobState.LIVE
 
 
 def live_digests_to_reuse(db: Database, run_id: int) -> frozenset[str]:
