@@ -399,23 +399,38 @@ def iter_full_tensors(
     store: ObjectStore, info: CheckpointInfo
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a DCP checkpoint, whole (its shards put together), by its fqn -- the
-    state dict's own key path joined with dots (a model's ``state_dict()`` names)."""
+    state dict's own key path joined with dots (a model's ``state_dict()`` names).
+
+    Each rank component's chunks are loaded in one call, so a pack of small tensors is fetched
+    and verified once, not once per tensor in it."""
     reader = CkptStoreReader.for_checkpoint(store, info)
     stored = reader.stored_metadata()
     locations = stored.metadata.storage_data
+    # Per tensor, its chunks as (chunk, rank, entry number); then one load per rank.
+    tensors: dict[str, tuple[TensorStorageMetadata, list[tuple[Any, int, int]]]] = {}
+    numbers: dict[int, list[int]] = {}
     for fqn, md in stored.metadata.state_dict_metadata.items():
         if not isinstance(md, TensorStorageMetadata):
             continue
-        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        chunks = []
         for chunk in md.chunks:
             location = locations.get(MetadataIndex(fqn, chunk.offsets))
             if location is None:
                 raise IntegrityError(
                     f"{reader.context}: no stored chunk {tuple(chunk.offsets)} of {fqn!r}"
                 )
-            component = reader._rank_reader(stored, location.rank)
-            position, _ = _item_entry(component, location.position)
-            value = component.load_entries([position])[position]
+            number, _ = _item_entry(reader._rank_reader(stored, location.rank), location.position)
+            chunks.append((chunk, location.rank, number))
+            numbers.setdefault(location.rank, []).append(number)
+        tensors[fqn] = (md, chunks)
+    values = {
+        rank: reader._rank_reader(stored, rank).load_entries(wanted)
+        for rank, wanted in numbers.items()
+    }
+    for fqn, (md, chunks) in tensors.items():
+        full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        for chunk, rank, number in chunks:
+            value = values[rank][number]
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes):
                 raise IntegrityError(
                     f"{reader.context}: chunk {tuple(chunk.offsets)} of {fqn!r} does not match "
