@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from megatron.core.dist_checkpointing.dict_utils import (  # type: ignore[import-untyped]
     dict_list_map_inplace,
+    nested_values,
 )
 from megatron.core.dist_checkpointing.mapping import (  # type: ignore[import-untyped]
     ShardedObject,
@@ -117,6 +118,12 @@ class CkptStoreLoadStrategy(_Loader, LoadShardedStrategy):  # type: ignore[misc]
     def load(self, sharded_state_dict: Any, checkpoint_dir: str | Path) -> Any:
         """Replace every ShardedTensor/ShardedObject with its data, resharded as requested."""
         source = self.source(checkpoint_dir)
+        source.prefetch(
+            shard
+            for item in nested_values(sharded_state_dict)
+            if isinstance(item, ShardedTensor)
+            for shard in source.needed(item)
+        )
 
         def one(item: Any) -> Any:
             if isinstance(item, ShardedTensor):

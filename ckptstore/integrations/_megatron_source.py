@@ -6,7 +6,7 @@ and validated before use; a stored shard is fetched at most once per :class:`Sou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from ckptstore.integrations._megatron_layout import (
     ObjectShard,
     TensorShard,
     fill_box,
+    overlap,
     tensor_box,
 )
 from ckptstore.manifest.records import CheckpointInfo
@@ -97,13 +98,26 @@ class Source:
 
     def fetch(self, shard: TensorShard) -> torch.Tensor:
         """A stored shard's tensor (fetched and verified once)."""
-        at = (shard.component, shard.path)
-        if at not in self._fetched:
-            value = self.reader(shard.component).load_paths([shard.path])[shard.path]
-            if not isinstance(value, torch.Tensor):
-                raise IntegrityError(f"{self.where}: {shard.component}/{shard.path} is no tensor")
-            self._fetched[at] = value
-        return self._fetched[at]
+        self.prefetch([shard])
+        return self._fetched[(shard.component, shard.path)]
+
+    def prefetch(self, shards: Iterable[TensorShard]) -> None:
+        """Fetch (and verify) the stored ``shards`` not fetched yet, one load per component:
+        a pack of small tensors is read once, not once per tensor in it."""
+        paths: dict[str, list[str]] = {}
+        for shard in shards:
+            if (shard.component, shard.path) not in self._fetched:
+                paths.setdefault(shard.component, []).append(shard.path)
+        for component, wanted in paths.items():
+            for path, value in self.reader(component).load_paths(wanted).items():
+                if not isinstance(value, torch.Tensor):
+                    raise IntegrityError(f"{self.where}: {component}/{path} is no tensor")
+                self._fetched[(component, path)] = value
+
+    def needed(self, sharded: Any) -> list[TensorShard]:
+        """The stored shards that a requested ShardedTensor overlaps."""
+        box = tensor_box(sharded)
+        return [s for s in self.shards(sharded.key) if overlap(box, (s.offset, s.shape))]
 
     def release(self) -> None:
         """Drop the fetched shards (after a load)."""
@@ -173,13 +187,16 @@ class Source:
         return value
 
     def full_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, whole, by key (each assembled from its shards, then released)."""
+        """Every tensor, whole, by key (each assembled from its shards, which are then
+        dropped, so memory stays about one copy of the state)."""
+        self.prefetch(s for shards in self._tensors.values() for s in shards)
         for key, shards in self._tensors.items():
             shape = shards[0].global_shape
             full = torch.empty(shape, dtype=shards[0].torch_dtype)
             box: Box = ((0,) * len(shape), shape)
             fill_box(full, box, key, shards, self.fetch, self.where)
-            self.release()
+            for shard in shards:
+                self._fetched.pop((shard.component, shard.path), None)
             yield key, full
 
 
