@@ -6,7 +6,8 @@ Only ``db upgrade`` creates a database; every other command opens the database a
 that exist and creates neither (a mistyped path is an error, exit 2). An exception of any
 other kind is a bug and is left to propagate.
 
-The subcommands are the modules listed in :data:`ckptstore.cli.commands.COMMANDS`.
+The subcommands are the modules listed in :data:`ckptstore.cli.commands.COMMANDS`; only the
+one that runs is imported.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, cast
 
-from ckptstore.cli.commands import COMMANDS
+from ckptstore.cli.commands import COMMANDS, load
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
 from ckptstore.cli.protocol import Subparsers
@@ -49,8 +50,10 @@ def error_line(message: object) -> str:
     return text if text.isprintable() else printable(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``ckptstore`` parser: the global options and every registered command."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ckptstore`` parser: the global options and ``command``'s subparser (its module is
+    imported), or, without ``command``, every command by name and help line only -- enough to
+    list them and to tell which one a command line invokes, without importing any."""
     parser = _Parser(
         prog="ckptstore",
         description="Inspect and maintain a ckptstore checkpoint store.",
@@ -63,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
     # Its parsers are _Parser too (argparse makes them of the parent's class).
     sub = cast(Subparsers, parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
+    if command is None:
+        for name, line in COMMANDS.items():
+            # Takes any arguments: they are checked by the command's own parser.
+            sub.add_parser(name, help=line, add_help=False)
+        return parser
     # --json, --db and --store are accepted before or after the subcommand.
     common = _Parser(add_help=False)
     common.add_argument(
@@ -70,14 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common.add_argument("--db", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     common.add_argument("--store", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    for command in COMMANDS:
-        command.register(sub, [common]).set_defaults(handler=command.run)
+    module = load(command)
+    module.register(sub, [common]).set_defaults(handler=module.run)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ckptstore ARGV``; returns the exit code."""
-    parser = build_parser()
+    # First which command (``--help`` and a missing or unknown command end here), then its
+    # arguments with its own parser.
+    command = build_parser().parse_known_args(argv)[0].command
+    parser = build_parser(command)
     args = parser.parse_args(argv)
     for key, value in vars(args).items():
         # Python 3.11's argparse turns an attached "--" (`--sample=--`, `-o--`) into [] and

@@ -17,7 +17,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``db`` with its actions ``upgrade`` and ``current``."""
-    parser = sub.add_parser("db", help="manage the manifest database schema")
+    parser = sub.add_parser("db")
     actions = parser.add_subparsers(dest="db_command", required=True, metavar="ACTION")
     up = actions.add_parser(
         "upgrade", parents=parents, help="migrate the database to the newest schema"

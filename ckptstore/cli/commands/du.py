@@ -63,9 +63,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``du``, without arguments."""
-    return sub.add_parser(
-        "du", parents=parents, help="logical vs stored bytes per run, dedup and compression"
-    )
+    return sub.add_parser("du", parents=parents)
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:

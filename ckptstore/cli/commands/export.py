@@ -30,7 +30,6 @@ def register(
     parser = sub.add_parser(
         "export",
         parents=parents,
-        help="write a checkpoint's components as files",
         description=(
             "Write each component of RUN@STEP as a file under DIR. A checkpoint saved through "
             "torch DCP or Megatron-Core from several ranks is consolidated instead: its whole "

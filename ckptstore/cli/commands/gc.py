@@ -19,9 +19,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``gc [--dry-run] [--grace G] [--release-corrupt]``."""
-    parser = sub.add_parser(
-        "gc", parents=parents, help="delete blobs no committed checkpoint needs (mark and sweep)"
-    )
+    parser = sub.add_parser("gc", parents=parents)
     parser.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
     parser.add_argument(
         "--grace",

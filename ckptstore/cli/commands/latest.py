@@ -17,7 +17,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``latest RUN``."""
-    parser = sub.add_parser("latest", parents=parents, help="the newest committed step of a run")
+    parser = sub.add_parser("latest", parents=parents)
     parser.add_argument("run")
     return parser
 

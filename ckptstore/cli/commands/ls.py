@@ -32,7 +32,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``ls RUN [--all]``."""
-    parser = sub.add_parser("ls", parents=parents, help="the checkpoints of a run")
+    parser = sub.add_parser("ls", parents=parents)
     parser.add_argument("run")
     parser.add_argument(
         "--all", action="store_true", help="include checkpoints deleted by retention"

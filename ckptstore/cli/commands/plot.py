@@ -25,9 +25,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``plot RUN --metric M -o FILE``."""
-    parser = sub.add_parser(
-        "plot", parents=parents, help="plot a metric against step with checkpoint markers"
-    )
+    parser = sub.add_parser("plot", parents=parents)
     parser.add_argument("run")
     parser.add_argument("--metric", required=True, help="metric name, e.g. train:reward")
     parser.add_argument("-o", "--output", required=True, help="image file to write (e.g. out.png)")

@@ -29,9 +29,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``runs``, without arguments."""
-    return sub.add_parser(
-        "runs", parents=parents, help="one line per run: counts, latest step, best metric, bytes"
-    )
+    return sub.add_parser("runs", parents=parents)
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:

@@ -42,9 +42,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``show RUN[@STEP] [--entries]``."""
-    parser = sub.add_parser(
-        "show", parents=parents, help="one checkpoint (RUN or RUN@STEP) with its components"
-    )
+    parser = sub.add_parser("show", parents=parents)
     parser.add_argument("target", metavar="RUN[@STEP]")
     parser.add_argument(
         "--entries", action="store_true", help="also list every entry (reads indexes)"

@@ -20,9 +20,7 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``sql SQL [--format table|csv|json] [--timeout S] [--allow-superuser]``."""
-    parser = sub.add_parser(
-        "sql", parents=parents, help="run one read-only SQL query over the manifest"
-    )
+    parser = sub.add_parser("sql", parents=parents)
     parser.add_argument("query", metavar="SQL")
     parser.add_argument("--format", choices=["table", "csv", "json"], default="table")
     parser.add_argument(

@@ -25,7 +25,6 @@ def register(
     parser = sub.add_parser(
         "verify",
         parents=parents,
-        help="re-hash checkpoints' blobs; exit 1 and mark corrupt ones if damaged",
     )
     parser.add_argument("target", nargs="?", metavar="RUN[@STEP]", help="default: every run")
     parser.add_argument(
