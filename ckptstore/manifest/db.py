@@ -15,6 +15,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.orm import Session, sessionmaker
 
 from ckptstore.errors import ConfigError, DatabaseError, ForeignDatabaseError, SchemaError
 from ckptstore.names import printable
@@ -30,6 +30,7 @@ from ckptstore.settings import default_db
 
 if TYPE_CHECKING:
     from alembic.config import Config
+    from sqlalchemy.orm import Session, sessionmaker
 
 T = TypeVar("T")
 log = logging.getLogger("ckptstore.manifest")
@@ -283,10 +284,6 @@ class Database:
         if self._file is not None:
             _probe_sqlite(self._file, create)
         self.engine = self._make_engine()
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        self._writes = sessionmaker(
-            self.engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False
-        )
         if check_schema:
             try:
                 self.ensure_schema()
@@ -426,22 +423,50 @@ class Database:
 
     # -- sessions ---------------------------------------------------------------------------
 
+    @cached_property
+    def _sessions(self) -> sessionmaker[Session]:
+        # The ORM is imported on the first session, not with this module: a process that
+        # only reads through connect() (the CLI's read commands) never pays for it.
+        from sqlalchemy.orm import sessionmaker
+
+        return sessionmaker(self.engine, expire_on_commit=False)
+
+    @cached_property
+    def _writes(self) -> sessionmaker[Session]:
+        from sqlalchemy.orm import sessionmaker
+
+        return sessionmaker(
+            self.engine.execution_options(sqlite_begin="IMMEDIATE"), expire_on_commit=False
+        )
+
     @contextlib.contextmanager
     def read(self) -> Iterator[Session]:
         """A read unit of work; its transaction is rolled back when the block ends.
 
         Objects loaded inside stay usable afterwards (closed, not expired).
         """
-        with self._sessions() as session:
-            try:
-                yield session
-            except DBAPIError as exc:
-                if not isinstance(exc, OperationalError | InterfaceError):
-                    raise
-                raise DatabaseError(
-                    f"reading {redact(self.url)} failed: {_one_line(exc.orig)}; check that the "
-                    "database is reachable"
-                ) from exc
+        with self._sessions() as session, self._reading():
+            yield session
+
+    @contextlib.contextmanager
+    def connect(self) -> Iterator[Connection]:
+        """A read on SQLAlchemy Core, without the ORM (see :mod:`ckptstore.manifest.lookups`);
+        like :meth:`read`, its transaction is rolled back when the block ends."""
+        with self._reading(), self.engine.connect() as conn:
+            yield conn
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """A lost connection while reading, as :class:`DatabaseError`."""
+        try:
+            yield
+        except DBAPIError as exc:
+            if not isinstance(exc, OperationalError | InterfaceError):
+                raise
+            raise DatabaseError(
+                f"reading {redact(self.url)} failed: {_one_line(exc.orig)}; check that the "
+                "database is reachable"
+            ) from exc
 
     def write(self, fn: Callable[[Session], T], *, what: str = "database write") -> T:
         """Run ``fn`` in one write transaction, retrying the whole of it on contention."""
