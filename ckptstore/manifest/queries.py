@@ -1,5 +1,7 @@
 """The manifest's reads and writes. Each function works inside a session the caller opened
-(``Database.read()`` or ``Database.write(fn)``); none knows about tensors."""
+(``Database.read()`` or ``Database.write(fn)``); none knows about tensors. Runs and checkpoints
+are looked up with the statements of :mod:`ckptstore.manifest.lookups` (Core, shared with the
+readers that do without the ORM)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from ckptstore.errors import CheckpointNotFoundError, FencedError, IntegrityError, RunStateError
+from ckptstore.errors import FencedError, RunStateError
+from ckptstore.manifest import lookups
+
+# A fork finds its parent checkpoint inside its write transaction with the readers' query.
+from ckptstore.manifest.lookups import committed_at_step as committed_at_step
 from ckptstore.manifest.models import (
     BlobRow,
     BlobState,
@@ -32,8 +38,8 @@ _BATCH = 500
 
 
 def find_run(session: Session, name: str) -> RunRow | None:
-    """The run row named ``name``, or None."""
-    return session.scalars(select(RunRow).where(RunRow.name == name)).one_or_none()
+    """The run row named ``name`` (to change it), or None."""
+    return session.scalars(select(RunRow).from_statement(lookups.run_named(name))).one_or_none()
 
 
 def create_run(
@@ -337,106 +343,19 @@ def finish_commit(session: Session, checkpoint_id: int, values: dict[str, Any]) 
     )
 
 
-def latest_committed(
-    session: Session, run_id: int, *, before_step: int | None = None
-) -> CheckpointRow | None:
-    """The newest committed checkpoint: one indexed query, whatever the history's length."""
-    query = select(CheckpointRow).where(
-        CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED
-    )
-    if before_step is not None:
-        query = query.where(CheckpointRow.step < before_step)
-    return session.scalars(
-        query.order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc()).limit(1)
-    ).one_or_none()
-
-
-def newest_committed_id(run_id: int) -> Any:
-    """A scalar subquery: the id of the run's newest committed checkpoint (indexed)."""
-    return (
-        select(CheckpointRow.id)
-        .where(CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED)
-        .order_by(CheckpointRow.step.desc(), CheckpointRow.id.desc())
-        .limit(1)
-        .scalar_subquery()
-    )
-
-
-def latest_with_components(
-    session: Session, run_id: int
-) -> tuple[CheckpointRow, list[ComponentRow]] | None:
-    """The newest committed checkpoint and its components in one statement: the indexed
-    lookup of the newest row, joined with its components by primary key."""
-    newest = newest_committed_id(run_id)
-    rows = session.execute(
-        select(CheckpointRow, ComponentRow)
-        .outerjoin(ComponentRow, ComponentRow.checkpoint_id == CheckpointRow.id)
-        .where(CheckpointRow.id == newest)
-        .order_by(ComponentRow.name)
-    ).all()
-    if not rows:
-        return None
-    return rows[0][0], [component for _, component in rows if component is not None]
-
-
-def committed_at_step(session: Session, run_id: int, step: int) -> CheckpointRow:
-    """The committed checkpoint at ``step``; an error saying why if there is none."""
-    row = session.scalars(
-        select(CheckpointRow)
-        .where(
-            CheckpointRow.run_id == run_id,
-            CheckpointRow.status == Status.COMMITTED,
-            CheckpointRow.step == step,
-        )
-        .order_by(CheckpointRow.id.desc())
-        .limit(1)
-    ).one_or_none()
-    if row is not None:
-        return row
-    other = session.scalars(
-        select(CheckpointRow)
-        .where(CheckpointRow.run_id == run_id, CheckpointRow.step == step)
-        .order_by(CheckpointRow.id.desc())
-        .limit(1)
-    ).one_or_none()
-    if other is not None and other.status == Status.CORRUPT:
-        raise IntegrityError(
-            f"the checkpoint at step {step} is marked corrupt: {other.error}; load another step"
-        )
-    if other is not None:
-        raise CheckpointNotFoundError(
-            f"the checkpoint at step {step} is {other.status}, not committed"
-            + (f" ({other.error})" if other.error else "")
-        )
-    raise CheckpointNotFoundError(f"no checkpoint at step {step}")
-
-
-def components_of(session: Session, checkpoint_id: int) -> list[ComponentRow]:
-    """A checkpoint's component rows, by name."""
-    return list(
-        session.scalars(
-            select(ComponentRow)
-            .where(ComponentRow.checkpoint_id == checkpoint_id)
-            .order_by(ComponentRow.name)
-        )
-    )
-
-
 def checkpoints_of(
     session: Session, run_id: int, statuses: Sequence[str] | None = None
 ) -> list[CheckpointRow]:
     """A run's checkpoint rows (optionally only some statuses), oldest first."""
-    query = select(CheckpointRow).where(CheckpointRow.run_id == run_id)
-    if statuses:
-        query = query.where(CheckpointRow.status.in_(statuses))
-    return list(session.scalars(query.order_by(CheckpointRow.step, CheckpointRow.id)))
+    query = select(CheckpointRow).from_statement(lookups.of_run(run_id, statuses))
+    return list(session.scalars(query))
 
 
 def live_digests_to_reuse(session: Session, run_id: int) -> set[str]:
     """The live blobs a new save of ``run_id`` most likely shares, in one statement: those of
     its newest committed checkpoint (for a run with none yet, of the checkpoint it was forked
     from)."""
-    newest = newest_committed_id(run_id)
+    newest = lookups.newest_committed_id(run_id)
     parent = select(RunRow.parent_checkpoint_id).where(RunRow.id == run_id).scalar_subquery()
     source = func.coalesce(newest, parent)
     return set(

@@ -1,27 +1,25 @@
 """Read-only lookups: plain arguments in, public records out (no session leaves the manifest).
 
 Used by the checkpointer (latest, load, fallback), maintenance (verify) and the CLI; none of them
-writes SQL of its own.
+writes SQL of its own. Runs and checkpoints are looked up in SQLAlchemy Core
+(:mod:`ckptstore.manifest.lookups`), so the CLI's read commands never import the ORM; the blob
+lookups below, which only savers, loaders and verify make, import it when first called.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy import select
-
 from ckptstore.errors import CheckpointNotFoundError
-from ckptstore.manifest import queries as q
+from ckptstore.manifest import lookups
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.models import CheckpointRow, RunRow, Status
 from ckptstore.manifest.records import CheckpointInfo, RunInfo
 
 
 def find_run(db: Database, name: str) -> RunInfo | None:
     """The run named ``name``, or None."""
-    with db.read() as session:
-        row = q.find_run(session, name)
-        return None if row is None else row.to_record()
+    with db.connect() as conn:
+        return lookups.find_run(conn, name)
 
 
 def require_run(db: Database, name: str) -> RunInfo:
@@ -35,9 +33,8 @@ def require_run(db: Database, name: str) -> RunInfo:
 def latest(db: Database, run: RunInfo | tuple[int, str]) -> CheckpointInfo | None:
     """The newest committed checkpoint with its components (one indexed statement), or None."""
     run_id, name = _key(run)
-    with db.read() as session:
-        found = q.latest_with_components(session, run_id)
-        return None if found is None else found[0].to_record(name, found[1])
+    with db.connect() as conn:
+        return lookups.latest(conn, run_id, name)
 
 
 def newest_committed(
@@ -45,17 +42,18 @@ def newest_committed(
 ) -> CheckpointInfo | None:
     """The newest committed checkpoint (below ``before_step`` if given), with components."""
     run_id, name = _key(run)
-    with db.read() as session:
-        row = q.latest_committed(session, run_id, before_step=before_step)
-        return None if row is None else row.to_record(name, q.components_of(session, row.id))
+    query = lookups.newest_committed(run_id, before_step=before_step)
+    with db.connect() as conn:
+        found = lookups.with_components(conn, query, name)
+    return found[0] if found else None
 
 
 def committed_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> CheckpointInfo:
     """The committed checkpoint at ``step`` with its components; an error that says why not."""
     run_id, name = _key(run)
-    with db.read() as session:
-        row = q.committed_at_step(session, run_id, step)
-        return row.to_record(name, q.components_of(session, row.id))
+    with db.connect() as conn:
+        row = lookups.committed_at_step(conn, run_id, step)
+        return lookups.checkpoint_of_row(conn, row, name)
 
 
 def checkpoint_or_latest(db: Database, name: str, step: int | None) -> CheckpointInfo:
@@ -74,50 +72,38 @@ def checkpoints(
 ) -> list[CheckpointInfo]:
     """Every checkpoint of the run (optionally only some statuses), oldest first."""
     run_id, name = _key(run)
-    with db.read() as session:
-        return [
-            row.to_record(name, q.components_of(session, row.id))
-            for row in q.checkpoints_of(session, run_id, statuses)
-        ]
+    with db.connect() as conn:
+        return lookups.with_components(conn, lookups.of_run(run_id, statuses), name)
 
 
 def checkpoint(db: Database, checkpoint_id: int) -> CheckpointInfo | None:
     """One checkpoint by id, with its run's name and components, or None."""
-    with db.read() as session:
-        row = session.get(CheckpointRow, checkpoint_id)
-        if row is None:
-            return None
-        run = session.get(RunRow, row.run_id)
-        return row.to_record(run.name if run else "?", q.components_of(session, row.id))
+    with db.connect() as conn:
+        found = lookups.with_components(conn, lookups.by_id(checkpoint_id))
+    return found[0] if found else None
 
 
 def targets(
-    db: Database, *, run: str | None, step: int | None, status: str = Status.COMMITTED
+    db: Database, *, run: str | None, step: int | None, status: str = lookups.COMMITTED
 ) -> list[CheckpointInfo]:
     """Checkpoints in ``status`` (of one run, at one step), by run name and step: what verify
     walks."""
-    with db.read() as session:
-        query = (
-            select(CheckpointRow, RunRow.name)
-            .join(RunRow, RunRow.id == CheckpointRow.run_id)
-            .where(CheckpointRow.status == status)
-        )
-        if run is not None:
-            query = query.where(RunRow.name == run)
-        if step is not None:
-            query = query.where(CheckpointRow.step == step)
-        rows = list(session.execute(query.order_by(RunRow.name, CheckpointRow.step)))
-        return [row.to_record(name, q.components_of(session, row.id)) for row, name in rows]
+    with db.connect() as conn:
+        return lookups.with_components(conn, lookups.in_status(status, run=run, step=step))
 
 
 def blob_sizes(db: Database, checkpoint_id: int) -> dict[str, int | None]:
     """Every blob a checkpoint references and the raw length its row records (None: no row)."""
+    from ckptstore.manifest import queries as q
+
     with db.read() as session:
         return q.checkpoint_blob_sizes(session, checkpoint_id)
 
 
 def index_lengths(db: Database, digests: Sequence[str]) -> dict[str, int]:
     """The raw length the manifest records for each blob (bounds what a read may allocate)."""
+    from ckptstore.manifest import queries as q
+
     with db.read() as session:
         rows = q.blob_rows(session, list(digests), lock=False)
         return {digest: row.logical_bytes for digest, row in rows.items()}
@@ -125,6 +111,8 @@ def index_lengths(db: Database, digests: Sequence[str]) -> dict[str, int]:
 
 def some_digests(db: Database, checkpoint_id: int, *, limit: int) -> list[str]:
     """Up to ``limit`` digests the checkpoint references."""
+    from ckptstore.manifest import queries as q
+
     with db.read() as session:
         return q.checkpoint_digests(session, checkpoint_id, limit=limit)
 
@@ -132,12 +120,16 @@ def some_digests(db: Database, checkpoint_id: int, *, limit: int) -> list[str]:
 def live_digests_to_reuse(db: Database, run_id: int) -> frozenset[str]:
     """The live blobs the run's next save most likely shares (its newest committed checkpoint's,
     or its fork parent's): the writer's dedup set, one query per save."""
+    from ckptstore.manifest import queries as q
+
     with db.read() as session:
         return frozenset(q.live_digests_to_reuse(session, run_id))
 
 
 def corrupt_referencing(db: Database, digests: Sequence[str]) -> list[int]:
     """Ids of corrupt checkpoints that reference any of ``digests``."""
+    from ckptstore.manifest import queries as q
+
     with db.read() as session:
         return q.corrupt_referencing(session, digests)
 

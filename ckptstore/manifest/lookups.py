@@ -1,0 +1,227 @@
+"""Runs and checkpoints looked up by name, step or recency, in SQLAlchemy Core.
+
+Why Core: importing SQLAlchemy's ORM and declaring the models (:mod:`ckptstore.manifest.models`)
+costs a process that only reads -- ``ckptstore latest RUN`` -- about as much again as the rest
+of its start-up, and a lookup needs neither. So these statements name the tables as light
+clauses (:func:`sqlalchemy.table`) whose columns are the records' fields (a new field selects
+its column), typed only where a driver's value must be converted (JSON, times, booleans);
+``tests/manifest/test_lookups.py`` holds them to the models.
+
+Each query is written once, here: readers run it on a Core connection
+(:meth:`Database.connect <ckptstore.manifest.db.Database.connect>`) and get records; writers in
+an ORM session either take the same rows (a Session executes Core statements too) or load
+their models from the same statement (``select(RunRow).from_statement(...)``, in
+:mod:`ckptstore.manifest.queries`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sqlalchemy import JSON, Boolean, DateTime, Select, column, select, table
+from sqlalchemy.engine import Connection, Row
+from sqlalchemy.sql.expression import ColumnClause, ScalarSelect, TableClause
+
+from ckptstore.errors import CheckpointNotFoundError, IntegrityError
+from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo, field_names
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+R = TypeVar("R")
+
+#: ``Status.COMMITTED``'s value (the enum lives with the ORM models, which this module must not
+#: import; a test checks that the two agree).
+COMMITTED = "committed"
+#: ``Status.CORRUPT``'s value, likewise.
+CORRUPT = "corrupt"
+
+#: The columns whose driver values SQLAlchemy converts: SQLite returns JSON and times as text
+#: and booleans as integers. Every other column comes back as the driver gives it.
+_TYPES: dict[str, Any] = {
+    "config": JSON(),
+    "training_info": JSON(),
+    "metrics": JSON(),
+    "created_at": DateTime(timezone=True),
+    "committed_at": DateTime(timezone=True),
+    "higher_is_better": Boolean(),
+}
+
+
+def _columns(record_type: type[Any], *, omit: Sequence[str] = ()) -> list[ColumnClause[Any]]:
+    return [column(name, _TYPES.get(name)) for name in field_names(record_type) if name not in omit]
+
+
+runs = table("runs", *_columns(RunInfo))
+checkpoints = table(
+    "checkpoints", column("run_id"), *_columns(CheckpointInfo, omit=("run", "components"))
+)
+components = table("components", column("checkpoint_id"), *_columns(ComponentInfo))
+
+
+def _record(record_type: type[R], source: TableClause, row: Row[Any], **given: Any) -> R:
+    """The ``record_type`` made from ``row``'s columns of ``source`` (and ``given`` fields)."""
+    values = {
+        name: row._mapping[source.c[name]] for name in field_names(record_type) if name not in given
+    }
+    return record_type(**values, **given)
+
+
+def _execute(conn: Connection | Session, statement: Select[Any]) -> list[Row[Any]]:
+    return list(conn.execute(statement))
+
+
+# -- runs ---------------------------------------------------------------------------------------
+
+
+def run_named(name: str) -> Select[Any]:
+    """The row of the run named ``name`` (every column)."""
+    return select(runs).where(runs.c.name == name)
+
+
+def find_run(conn: Connection, name: str) -> RunInfo | None:
+    """The run named ``name``, or None."""
+    rows = _execute(conn, run_named(name))
+    return _record(RunInfo, runs, rows[0]) if rows else None
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def newest_committed(run_id: int, *, before_step: int | None = None) -> Select[Any]:
+    """The row of the run's newest committed checkpoint (below ``before_step`` if given): one
+    indexed lookup, whatever the history's length."""
+    query = select(checkpoints).where(
+        checkpoints.c.run_id == run_id, checkpoints.c.status == COMMITTED
+    )
+    if before_step is not None:
+        query = query.where(checkpoints.c.step < before_step)
+    return query.order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc()).limit(1)
+
+
+def newest_committed_id(run_id: int) -> ScalarSelect[Any]:
+    """A scalar subquery: the id of the run's newest committed checkpoint."""
+    return newest_committed(run_id).with_only_columns(checkpoints.c.id).scalar_subquery()
+
+
+def of_run(run_id: int, statuses: Sequence[str] | None = None) -> Select[Any]:
+    """The rows of a run's checkpoints (optionally only some statuses), oldest first."""
+    query = select(checkpoints).where(checkpoints.c.run_id == run_id)
+    if statuses:
+        query = query.where(checkpoints.c.status.in_(statuses))
+    return query.order_by(checkpoints.c.step, checkpoints.c.id)
+
+
+def latest(conn: Connection, run_id: int, run: str) -> CheckpointInfo | None:
+    """The run's newest committed checkpoint and its components in one statement: the indexed
+    lookup of the newest row, joined with its components by primary key."""
+    rows = _execute(
+        conn,
+        select(checkpoints, components)
+        .outerjoin(components, components.c.checkpoint_id == checkpoints.c.id)
+        .where(checkpoints.c.id == newest_committed_id(run_id))
+        .order_by(components.c.name),
+    )
+    if not rows:
+        return None
+    parts = tuple(
+        _record(ComponentInfo, components, row)
+        for row in rows
+        if row._mapping[components.c.checkpoint_id] is not None
+    )
+    return _record(CheckpointInfo, checkpoints, rows[0], run=run, components=parts)
+
+
+def committed_at_step(conn: Connection | Session, run_id: int, step: int) -> Row[Any]:
+    """The row of the committed checkpoint at ``step``; an error saying why if there is none."""
+    at_step = (
+        select(checkpoints)
+        .where(checkpoints.c.run_id == run_id, checkpoints.c.step == step)
+        .order_by(checkpoints.c.id.desc())
+        .limit(1)
+    )
+    rows = _execute(conn, at_step.where(checkpoints.c.status == COMMITTED))
+    if rows:
+        return rows[0]
+    others = _execute(conn, at_step)
+    other = others[0] if others else None
+    if other is not None and other.status == CORRUPT:
+        raise IntegrityError(
+            f"the checkpoint at step {step} is marked corrupt: {other.error}; load another step"
+        )
+    if other is not None:
+        raise CheckpointNotFoundError(
+            f"the checkpoint at step {step} is {other.status}, not committed"
+            + (f" ({other.error})" if other.error else "")
+        )
+    raise CheckpointNotFoundError(f"no checkpoint at step {step}")
+
+
+def with_components(
+    conn: Connection, query: Select[Any], run: str | None = None
+) -> list[CheckpointInfo]:
+    """The checkpoints ``query`` selects as records with their components: two statements,
+    however many checkpoints. ``query`` selects rows of ``checkpoints`` of the run named
+    ``run``, or, without ``run``, also each one's run name as ``run_name``."""
+    rows = _execute(conn, query)
+    found = components_of(conn, query.with_only_columns(checkpoints.c.id)) if rows else {}
+    return [
+        _record(
+            CheckpointInfo,
+            checkpoints,
+            row,
+            run=run if run is not None else row.run_name or "?",
+            components=tuple(found.get(row.id, ())),
+        )
+        for row in rows
+    ]
+
+
+def components_of(
+    conn: Connection, checkpoint_ids: Sequence[int] | Select[Any]
+) -> dict[int, list[ComponentInfo]]:
+    """The components of the checkpoints (ids, or a statement selecting them), by name."""
+    query = (
+        select(components)
+        .where(components.c.checkpoint_id.in_(checkpoint_ids))
+        .order_by(components.c.checkpoint_id, components.c.name)
+    )
+    found: dict[int, list[ComponentInfo]] = {}
+    for row in _execute(conn, query):
+        found.setdefault(row.checkpoint_id, []).append(_record(ComponentInfo, components, row))
+    return found
+
+
+def checkpoint_of_row(conn: Connection, row: Row[Any], run: str) -> CheckpointInfo:
+    """A ``checkpoints`` row as its record, with its components."""
+    parts = components_of(conn, [row.id]).get(row.id, [])
+    return _record(CheckpointInfo, checkpoints, row, run=run, components=tuple(parts))
+
+
+def _with_run_name() -> Select[Any]:
+    return select(checkpoints, runs.c.name.label("run_name"))
+
+
+def by_id(checkpoint_id: int) -> Select[Any]:
+    """The row of one checkpoint by id, with its run's name (None if the run row is gone)."""
+    return (
+        _with_run_name()
+        .outerjoin(runs, runs.c.id == checkpoints.c.run_id)
+        .where(checkpoints.c.id == checkpoint_id)
+    )
+
+
+def in_status(status: str, *, run: str | None, step: int | None) -> Select[Any]:
+    """The rows of the checkpoints in ``status`` (of the run named ``run``, at ``step``), with
+    their run's name, by run name and step."""
+    query = (
+        _with_run_name()
+        .join(runs, runs.c.id == checkpoints.c.run_id)
+        .where(checkpoints.c.status == status)
+    )
+    if run is not None:
+        query = query.where(runs.c.name == run)
+    if step is not None:
+        query = query.where(checkpoints.c.step == step)
+    return query.order_by(runs.c.name, checkpoints.c.step)

@@ -1,0 +1,133 @@
+"""The Core lookups (manifest/lookups.py) against the ORM models they stand in for.
+
+Readers get runs and checkpoints without the ORM, from light table clauses. These tests hold
+those clauses to the models (every column, the same conversions) and the records they give to
+the ones the ORM rows make, on SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from sqlalchemy import BigInteger, Float, Integer, String, Text, select
+from sqlalchemy.types import NullType
+
+from ckptstore import RetentionPolicy, open_run
+from ckptstore.manifest import Database, lookups, reads
+from ckptstore.manifest import queries as q
+from ckptstore.manifest import transactions as tx
+from ckptstore.manifest.models import Base, CheckpointRow, ComponentRow, RunRow, Status
+from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.objectstore import LocalStore
+
+#: Types whose values every driver returns as the Python value itself (no conversion).
+PLAIN = (Integer, BigInteger, String, Text, Float)
+
+
+@pytest.mark.parametrize(
+    ("light", "model"),
+    [
+        (lookups.runs, RunRow),
+        (lookups.checkpoints, CheckpointRow),
+        (lookups.components, ComponentRow),
+    ],
+    ids=["runs", "checkpoints", "components"],
+)
+def test_a_light_table_has_every_column_of_its_model_converted_alike(
+    light: object, model: type[Base]
+) -> None:
+    table = Base.metadata.tables[model.__tablename__]
+    light_columns = {c.name: c.type for c in light.c}  # type: ignore[attr-defined]
+    assert set(light_columns) == set(table.c.keys())
+    for name, light_type in light_columns.items():
+        model_type = table.c[name].type
+        if isinstance(light_type, NullType):
+            assert isinstance(model_type, PLAIN), f"{name}: {model_type!r} needs its type here"
+        else:
+            assert type(light_type) is type(model_type), name
+            assert getattr(light_type, "timezone", None) == getattr(model_type, "timezone", None)
+
+
+def test_the_status_values_are_the_models() -> None:
+    assert lookups.COMMITTED == Status.COMMITTED
+    assert lookups.CORRUPT == Status.CORRUPT
+
+
+def orm_checkpoints(db: Database, run: RunRow) -> list[CheckpointInfo]:
+    with db.read() as session:
+        rows = session.scalars(
+            select(CheckpointRow)
+            .where(CheckpointRow.run_id == run.id)
+            .order_by(CheckpointRow.step, CheckpointRow.id)
+        ).all()
+        return [
+            row.to_record(
+                run.name,
+                session.scalars(
+                    select(ComponentRow)
+                    .where(ComponentRow.checkpoint_id == row.id)
+                    .order_by(ComponentRow.name)
+                ),
+            )
+            for row in rows
+        ]
+
+
+def test_lookups_give_the_records_the_orm_rows_give(db_url: str, store: LocalStore) -> None:
+    state = {"model": {"w": torch.ones(3)}, "optim": {"lr": 0.1}, "extra": {"n": 1}}
+    keep = RetentionPolicy(keep_latest_k=2)
+    with open_run("base", db=db_url, store=store, async_save=False) as run:
+        run.save(1, state, metrics={"loss": 1.0})
+    with open_run(
+        "r",
+        db=db_url,
+        store=store,
+        async_save=False,
+        config={"lr": 0.1, "nested": {"a": [1, 2]}},
+        retention=keep,
+        fork_from=("base", 1),
+    ) as run:
+        for step in (1, 2, 3, 3, 4):  # step 3 twice: the first is superseded (deleted)
+            run.save(step, state, metrics={"loss": 1 / step}, training_info={"step": step})
+        run_id, epoch = run.id, run.epoch
+    assert epoch is not None
+    db = Database(db_url)
+    try:
+        failed = tx.begin_checkpoint(db, run_id, 5, epoch, "manual")
+        tx.mark_failed(db, failed, "out of disk")
+        corrupt = reads.committed_at(db, (run_id, "r"), 4).id
+        tx.mark_corrupt(db, corrupt, "bad blob", [], lambda _digest: None)
+        with db.read() as session:
+            row = q.find_run(session, "r")
+            assert row is not None
+            run_record = row.to_record()
+        assert reads.find_run(db, "r") == run_record
+        assert run_record.config == {"lr": 0.1, "nested": {"a": [1, 2]}}
+        assert reads.find_run(db, "nobody") is None
+        expected = orm_checkpoints(db, row)
+        assert {c.status for c in expected} == {"committed", "deleted", "failed", "corrupt"}
+        assert all(len(c.components) == 3 for c in expected if c.status != "failed")
+        assert reads.checkpoints(db, run_record) == expected
+        committed = [c for c in expected if c.status == Status.COMMITTED]
+        assert reads.checkpoints(db, run_record, [Status.COMMITTED]) == committed
+        assert reads.latest(db, run_record) == committed[-1]
+        assert reads.newest_committed(db, run_record, before_step=3) == committed[-2]
+        assert reads.committed_at(db, run_record, committed[0].step) == committed[0]
+        for record in expected:
+            assert reads.checkpoint(db, record.id) == record
+        assert reads.targets(db, run="r", step=None) == committed
+        assert reads.targets(db, run="r", step=4, status="corrupt") == [
+            c for c in expected if c.status == Status.CORRUPT
+        ]
+        with db.read() as session:  # the writers' ORM rows come from the same statements
+            assert [r.to_record("r") for r in q.checkpoints_of(session, run_id)] == [
+                replace(c, components=()) for c in expected
+            ]
+            assert q.committed_at_step(session, run_id, 1).id == committed[0].id
+            parent = q.find_run(session, "base")
+            assert parent is not None
+            assert row.parent_checkpoint_id == q.committed_at_step(session, parent.id, 1).id
+    finally:
+        db.close()
