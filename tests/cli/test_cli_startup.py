@@ -1,7 +1,8 @@
 """The CLI's read commands start without the heavy imports: a command that only reads the
 manifest database loads neither torch nor numpy (nor boto3, zstandard or, but for ``db``,
-Alembic), so ``ckptstore latest
-RUN`` costs an interpreter and SQLAlchemy, not a deep-learning framework."""
+Alembic), so ``ckptstore latest RUN`` costs an interpreter and SQLAlchemy, not a deep-learning
+framework. Only the invoked command's module is imported, and the lookups of ``latest`` and
+``show`` run on SQLAlchemy Core without the ORM."""
 
 from __future__ import annotations
 
@@ -25,7 +26,10 @@ out = io.StringIO()
 with contextlib.redirect_stdout(out):
     code = main(sys.argv[1:])
 heavy = [m for m in {heavy!r} if m in sys.modules]
-print(json.dumps({{"code": code, "out": out.getvalue(), "heavy": heavy}}))
+commands = [m for m in sys.modules if m.startswith("ckptstore.cli.commands.")]
+orm = "sqlalchemy.orm" in sys.modules
+print(json.dumps({{"code": code, "out": out.getvalue(), "heavy": heavy, "commands": commands,
+                  "orm": orm}}))
 """
 
 
@@ -72,6 +76,9 @@ def test_read_commands_import_neither_torch_nor_numpy(
     # `db` reads the packaged migrations, which is Alembic's job.
     allowed = {"alembic"} if command[0] == "db" else set()
     assert set(report["heavy"]) <= allowed, f"{command[0]} imported {report['heavy']}"
+    assert report["commands"] == [f"ckptstore.cli.commands.{command[0]}"]
+    if command[0] in ("latest", "show", "sql"):
+        assert not report["orm"], f"{command[0]} imported sqlalchemy.orm"
     if command == ["latest", "r"]:
         assert report["out"].strip() == "2"
 
@@ -90,3 +97,4 @@ def test_the_probe_would_see_a_heavy_import(saved: tuple[str, str], tmp_path: Pa
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["code"] == 0, report
     assert "numpy" in report["heavy"]
+    assert report["orm"]
