@@ -61,11 +61,24 @@ components = table("components", column("checkpoint_id"), *_columns(ComponentInf
 
 
 def _record(record_type: type[R], source: TableClause, row: Row[Any], **given: Any) -> R:
-    """The ``record_type`` made from ``row``'s columns of ``source`` (and ``given`` fields)."""
-    values = {
-        name: row._mapping[source.c[name]] for name in field_names(record_type) if name not in given
-    }
-    return record_type(**values, **given)
+    """The ``record_type`` made from ``row``'s columns of ``source`` and the ``given`` fields
+    (those that are no column: a checkpoint's run name and components)."""
+    mapping = row._mapping
+    return record_type(
+        **{name: mapping[col] for name, col in _fields(record_type, source)}, **given
+    )
+
+
+#: (record type, table name) -> each field of the record that is a column of the table, with
+#: that column: worked out once, as ``ls`` makes a record of every row.
+_FIELDS: dict[tuple[type[Any], str], list[tuple[str, ColumnClause[Any]]]] = {}
+
+
+def _fields(record_type: type[Any], source: TableClause) -> list[tuple[str, ColumnClause[Any]]]:
+    key = (record_type, source.name)
+    if key not in _FIELDS:
+        _FIELDS[key] = [(n, source.c[n]) for n in field_names(record_type) if n in source.c]
+    return _FIELDS[key]
 
 
 def _execute(conn: Connection | Session, statement: Select[Any]) -> list[Row[Any]]:
