@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ckptstore.cas import codec
-from ckptstore.cas.digest import blob_key, digest_bytes, from_raw, raw_digest
-from ckptstore.cas.header import MAX_PARAMS, MAX_RAW_LEN, Header, Kind, decode_header
+from ckptstore.cas.digest import (
+    StreamingDigest,
+    blob_key,
+    digest_bytes,
+    from_raw,
+    raw_digest,
+)
+from ckptstore.cas.header import (
+    MAX_HEADER,
+    MAX_PARAMS,
+    MAX_RAW_LEN,
+    Header,
+    Kind,
+    decode_header,
+)
 from ckptstore.errors import ConfigError, IntegrityError, ObjectNotFoundError
-from ckptstore.objectstore.base import BytesLike, ObjectStore
+from ckptstore.objectstore.base import BytesLike, ObjectStore, RandomAccess
+
+#: :func:`read_into` reads and hashes a raw blob in pieces of this size, so each piece is
+#: hashed while the read has just left it in the CPU cache.
+READ_PIECE = 1 << 20
 
 
 class MissingBlobError(IntegrityError, FileNotFoundError):
@@ -99,13 +118,7 @@ def decode_object(
     or the manifest): a header declaring more is refused before anything is allocated for it.
     """
     header = decode_header(data, where)
-    if from_raw(header.digest) != digest:
-        raise IntegrityError(f"{where}: header names digest {from_raw(header.digest)}")
-    if header.raw_len > max_raw_len:
-        raise IntegrityError(
-            f"{where}: header declares {header.raw_len} bytes, more than the {max_raw_len} "
-            "this blob can hold (damaged or crafted)"
-        )
+    _check_header(header, digest, where, max_raw_len)
     payload = data[header.size :]
     try:
         raw = header.codec.decode(
@@ -117,6 +130,16 @@ def decode_object(
     if actual != digest:
         raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")
     return header, raw
+
+
+def _check_header(header: Header, digest: str, where: str, max_raw_len: int) -> None:
+    if from_raw(header.digest) != digest:
+        raise IntegrityError(f"{where}: header names digest {from_raw(header.digest)}")
+    if header.raw_len > max_raw_len:
+        raise IntegrityError(
+            f"{where}: header declares {header.raw_len} bytes, more than the {max_raw_len} "
+            "this blob can hold (damaged or crafted)"
+        )
 
 
 def keep_ref(refs: dict[str, BlobRef], ref: BlobRef) -> None:
@@ -142,17 +165,16 @@ def quarantine_blob(store: ObjectStore, digest: str, *, now: float | None = None
     return True
 
 
-def get_blob(
-    store: ObjectStore, digest: str, *, context: str = "", max_raw_len: int = MAX_RAW_LEN
-) -> tuple[Header, memoryview]:
-    """Fetch, decode and verify one blob. Errors name the key, the store and ``context``.
+def _where(store: ObjectStore, digest: str, context: str) -> str:
+    return f"blob {store.url}/{blob_key(digest)}" + (f" ({context})" if context else "")
 
-    ``max_raw_len`` bounds the raw length the blob's header may declare (see ``decode_object``).
-    """
-    key = blob_key(digest)
-    where = f"blob {store.url}/{key}" + (f" ({context})" if context else "")
+
+@contextmanager
+def _blob_errors(digest: str, where: str) -> Iterator[None]:
+    """A missing object as :class:`MissingBlobError`; integrity errors tagged with the digest
+    (what repair and the fallback past a corrupt checkpoint act on)."""
     try:
-        return decode_object(store.get_view(key), digest, where, max_raw_len=max_raw_len)
+        yield
     except ObjectNotFoundError as exc:
         missing = MissingBlobError(f"{where} is missing from the store")
         missing.digest = digest
@@ -160,3 +182,102 @@ def get_blob(
     except IntegrityError as exc:
         exc.digest = digest
         raise
+
+
+def get_blob(
+    store: ObjectStore, digest: str, *, context: str = "", max_raw_len: int = MAX_RAW_LEN
+) -> tuple[Header, memoryview]:
+    """Fetch, decode and verify one blob. Errors name the key, the store and ``context``.
+
+    ``max_raw_len`` bounds the raw length the blob's header may declare (see ``decode_object``).
+    """
+    where = _where(store, digest, context)
+    with _blob_errors(digest, where):
+        return decode_object(
+            store.get_view(blob_key(digest)), digest, where, max_raw_len=max_raw_len
+        )
+
+
+def read_into(
+    store: ObjectStore,
+    digest: str,
+    targets: Sequence[tuple[int, memoryview]],
+    *,
+    context: str = "",
+    max_raw_len: int = MAX_RAW_LEN,
+) -> Header | None:
+    """Read a raw-coded blob straight into ``targets`` -- (offset in the blob, destination)
+    pairs -- verifying its digest over every byte as the pieces arrive: one pass over the
+    memory, no intermediate buffer. Bytes no target wants are read into a small scratch buffer
+    (they are hashed too). Returns the header; None, having read at most the header, if the
+    store does not read in pieces (:class:`RandomAccess`), the blob is not stored raw, or the
+    targets overlap other than exactly: the caller then uses :func:`get_blob`. If this raises,
+    the destinations hold unverified bytes: discard them.
+    """
+    if not isinstance(store, RandomAccess):
+        return None
+    where = _where(store, digest, context)
+    with _blob_errors(digest, where), store.open_reader(blob_key(digest)) as reader:
+        prefix = memoryview(bytearray(min(reader.size, MAX_HEADER)))
+        reader.read_into(0, prefix)
+        header = decode_header(prefix, where, object_size=reader.size)
+        _check_header(header, digest, where, max_raw_len)
+        if header.codec is not codec.RAW:
+            return None
+        if header.stored_len != header.raw_len:
+            raise IntegrityError(
+                f"{where}: raw payload is {header.stored_len} bytes, not {header.raw_len}"
+            )
+        plan = _read_plan(targets, header.raw_len, where)
+        if plan is None:
+            return None
+        fills, copies = plan
+        hasher = StreamingDigest()
+        scratch = memoryview(bytearray(min(READ_PIECE, header.raw_len)))
+        for offset, length, view in fills:
+            for start in range(0, length, READ_PIECE):
+                n = min(READ_PIECE, length - start)
+                piece = scratch[:n] if view is None else view[start : start + n]
+                reader.read_into(header.size + offset + start, piece)
+                hasher.update(piece)
+        actual = hasher.result()
+        if actual != digest:
+            raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")
+        for dest, source in copies:
+            dest[:] = source
+        return header
+
+
+#: One read of :func:`read_into`: (offset in the blob, length, destination or None for the
+#: scratch buffer).
+_Fill = tuple[int, int, memoryview | None]
+
+
+def _read_plan(
+    targets: Sequence[tuple[int, memoryview]], raw_len: int, where: str
+) -> tuple[list[_Fill], list[tuple[memoryview, memoryview]]] | None:
+    """The reads that cover ``[0, raw_len)`` in order, each into its target or (bytes no
+    target wants) the scratch buffer, and the copies that fill targets repeating bytes an
+    earlier target holds (equal tensors stored once). None if targets partly overlap."""
+    fills: list[_Fill] = []
+    copies: list[tuple[memoryview, memoryview]] = []
+    cursor = 0
+    for offset, view in sorted(targets, key=lambda t: (t[0], -t[1].nbytes)):
+        end = offset + view.nbytes
+        if end > raw_len:
+            raise IntegrityError(f"{where}: an entry points past the end of the blob")
+        if not view.nbytes:
+            continue
+        if offset < cursor:
+            holder = next((f for f in reversed(fills) if f[2] is not None and f[0] <= offset), None)
+            if holder is None or holder[2] is None or end > holder[0] + holder[1]:
+                return None
+            copies.append((view, holder[2][offset - holder[0] : end - holder[0]]))
+            continue
+        if offset > cursor:
+            fills.append((cursor, offset - cursor, None))
+        fills.append((offset, view.nbytes, view))
+        cursor = end
+    if cursor < raw_len:
+        fills.append((cursor, raw_len - cursor, None))
+    return fills, copies

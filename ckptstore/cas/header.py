@@ -92,10 +92,17 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def decode_header(data: memoryview, where: str) -> Header:
-    """Parse and sanity-check the header at the start of ``data`` (a whole stored object)."""
-    if data.nbytes < _FIXED.size:
-        raise IntegrityError(f"{where}: object is {data.nbytes} bytes, too short for a blob header")
+#: The most bytes a header occupies (fixed fields, the largest params, padding).
+MAX_HEADER = _padded(_FIXED.size + MAX_PARAMS)
+
+
+def decode_header(data: memoryview, where: str, *, object_size: int | None = None) -> Header:
+    """Parse and sanity-check the header at the start of ``data``: a whole stored object, or
+    its first :data:`MAX_HEADER` bytes (or all of it, if smaller) when ``object_size`` gives the
+    object's size."""
+    size = data.nbytes if object_size is None else object_size
+    if min(size, data.nbytes) < _FIXED.size:
+        raise IntegrityError(f"{where}: object is {size} bytes, too short for a blob header")
     magic, version, kind, codec_id, itemsize, raw_len, stored_len, digest, params_len, crc = (
         _FIXED.unpack_from(data)
     )
@@ -125,9 +132,9 @@ def decode_header(data: memoryview, where: str) -> Header:
     header = Header(kind_e, codec, itemsize, raw_len, stored_len, bytes(digest), params)
     if data.nbytes >= header.size and any(data[_FIXED.size + params_len : header.size]):
         raise IntegrityError(f"{where}: blob header padding is not zero (corrupt)")
-    if data.nbytes != header.size + stored_len:
+    if size != header.size + stored_len:
         raise IntegrityError(
-            f"{where}: object is {data.nbytes} bytes but its header declares "
+            f"{where}: object is {size} bytes but its header declares "
             f"{header.size + stored_len} (truncated or corrupt)"
         )
     return header

@@ -30,6 +30,7 @@ from ckptstore.names import printable
 from ckptstore.objectstore.base import (
     TMP_PREFIX,
     ObjectInfo,
+    ObjectReader,
     ObjectStore,
     PutData,
     as_parts,
@@ -193,6 +194,18 @@ class LocalStore(ObjectStore):
             return view
 
     @contextlib.contextmanager
+    def open_reader(self, key: str) -> Iterator[ObjectReader]:
+        """``key`` opened for reads at any offset (:class:`RandomAccess`). The kernel is told
+        the whole file will be read, so a cold read streams from the disk ahead of the reader."""
+        with self._open(key) as f:
+            fd = f.fileno()
+            size = os.fstat(fd).st_size
+            with contextlib.suppress(OSError):  # advice only: a file system may not take it
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
+                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+            yield _FileReader(self, fd, size, key)
+
+    @contextlib.contextmanager
     def _open(self, key: str) -> Iterator[BinaryIO]:
         path = self._path(key)
         try:
@@ -206,6 +219,7 @@ class LocalStore(ObjectStore):
             yield f
 
     def _read_into(self, fd: int, view: memoryview, offset: int, key: str) -> None:
+        """Fill ``view`` from ``offset`` of the open file ``fd`` (object ``key``)."""
         got = 0
         while got < view.nbytes:
             try:
@@ -358,3 +372,15 @@ def _unlink_quietly(path: Path) -> None:
     # file; the error that brought us here must not be replaced by this one.
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         path.unlink()
+
+
+class _FileReader:
+    """An object file open for :meth:`LocalStore.open_reader`."""
+
+    def __init__(self, store: LocalStore, fd: int, size: int, key: str) -> None:
+        self.size = size
+        self._store, self._fd, self._key = store, fd, key
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the file's bytes from ``offset``."""
+        self._store._read_into(self._fd, view, offset, self._key)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from ckptstore.errors import ConfigError, ObjectNotFoundError
 
@@ -80,6 +81,29 @@ def clip_range(byte_range: tuple[int, int] | None, size: int) -> tuple[int, int]
 def parts_size(parts: Sequence[memoryview]) -> int:
     """Total bytes of ``data`` (bytes-like or a sequence of parts)."""
     return sum(p.nbytes for p in parts)
+
+
+class ObjectReader(Protocol):
+    """One open object, read at any offset into the caller's buffers."""
+
+    #: The object's size in bytes when it was opened.
+    size: int
+
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """Fill ``view`` with the object's bytes from ``offset``; ObjectStoreError if the
+        object ends before ``view`` is full."""
+        ...
+
+
+@runtime_checkable
+class RandomAccess(Protocol):
+    """A store whose objects are cheap to read in pieces straight into the caller's memory (a
+    local file system). The blob reader then reads a raw blob into the tensors it fills,
+    hashing each piece while it is still in the CPU cache: no intermediate buffer, one pass."""
+
+    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
+        """``key`` opened for reading; ObjectNotFoundError if it does not exist."""
+        ...
 
 
 class ObjectStore(abc.ABC):

@@ -1,9 +1,12 @@
 """Fetching the blobs that hold a component's entries and turning them into values.
 
 Only the blobs the requested entries reference are fetched; each is verified against its
-digest on the way in. Blobs are fetched on a thread pool and copied into their destinations as
-they arrive, so at most ``max_workers`` decoded blobs are held besides the results. A tensor that
-is exactly one raw blob becomes a view of the fetched buffer (no copy).
+digest on the way in, on a thread pool. From a store that reads in pieces (a local directory),
+a raw blob is read straight into the buffers of the entries it holds and hashed piece by piece
+as it arrives: one pass, no intermediate copy. Otherwise blobs are fetched whole and copied
+into their destinations as they arrive, so at most ``max_workers`` decoded blobs are held
+besides the results; a tensor that is exactly one raw blob then becomes a view of the fetched
+buffer (no copy).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptstore.cas.blobs import get_blob
+from ckptstore.cas.blobs import get_blob, read_into
 from ckptstore.cas.header import Kind
 from ckptstore.errors import IntegrityError
 from ckptstore.objectstore.base import ObjectStore
@@ -60,6 +63,13 @@ class _Assembler:
         self.buffers: list[Any] = [None] * len(entries)
         self._lock = threading.Lock()
 
+    def destination(self, t: _Target, where: str) -> memoryview:
+        """The slice of its entry's buffer that ``t``'s bytes go to (allocated on first use)."""
+        with self._lock:
+            if self.buffers[t.entry] is None:
+                self.buffers[t.entry] = _allocate(self.entries[t.entry].nbytes, where)
+        return self.buffers[t.entry][t.dest : t.dest + t.length]  # type: ignore[no-any-return]
+
     def place(self, digest: str, raw: memoryview, targets: list[_Target], where: str) -> None:
         """Copy (or hand over) one verified blob's bytes to every entry segment it holds.
 
@@ -80,10 +90,7 @@ class _Assembler:
                 self.buffers[t.entry] = raw
                 handed_over = True
                 continue
-            with self._lock:
-                if self.buffers[t.entry] is None:
-                    self.buffers[t.entry] = _allocate(entry.nbytes, where)
-            self.buffers[t.entry][t.dest : t.dest + t.length] = raw[t.offset : t.offset + t.length]
+            self.destination(t, where)[:] = raw[t.offset : t.offset + t.length]
 
 
 def _allocate(nbytes: int, where: str) -> memoryview:
@@ -142,11 +149,15 @@ def load_entries(
     def fetch(digest: str) -> None:
         paths = ", ".join(sorted({chosen[t.entry].path for t in by_blob[digest]})[:3])
         blob_context = with_context(context, f"entry {paths}")
-        bound = max_blob_len((chosen[t.entry].path, t.offset, t.length) for t in by_blob[digest])
-        header, raw = get_blob(store, digest, context=blob_context, max_raw_len=bound)
+        targets = by_blob[digest]
+        bound = max_blob_len((chosen[t.entry].path, t.offset, t.length) for t in targets)
+        dests = [(t.offset, assembler.destination(t, blob_context)) for t in targets]
+        header = read_into(store, digest, dests, context=blob_context, max_raw_len=bound)
+        if header is None:
+            header, raw = get_blob(store, digest, context=blob_context, max_raw_len=bound)
+            assembler.place(digest, raw, targets, blob_context)
         if header.kind is Kind.INDEX:
             raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
-        assembler.place(digest, raw, by_blob[digest], blob_context)
 
     workers = max_workers or store.read_concurrency
     with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:

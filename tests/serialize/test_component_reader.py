@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from component_helpers import random_bytes, save
 from ckptstore.cas import Kind, blob_key, put_blob
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore import LocalStore
+from ckptstore.objectstore.base import ObjectReader
 from ckptstore.serialize import (
     ComponentReader,
     ComponentResult,
@@ -50,6 +52,10 @@ class CountingStore(LocalStore):
     def get_view(self, key: str) -> memoryview:
         self._count(key)
         return super().get_view(key)
+
+    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
+        self._count(key)
+        return super().open_reader(key)
 
 
 def state() -> dict[str, Any]:

@@ -11,6 +11,8 @@ import sys
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from hypothesis import strategies as st
 from ckptstore.cas import Kind, blob_key
 from ckptstore.errors import SerializationError
 from ckptstore.objectstore import LocalStore, ObjectStore
+from ckptstore.objectstore.base import ObjectReader
 from ckptstore.serialize import (
     ComponentResult,
     load_byte_range,
@@ -432,6 +435,12 @@ class BarrierStore(LocalStore):
         self._together(key)
         return data
 
+    @contextlib.contextmanager
+    def open_reader(self, key: str) -> Iterator[ObjectReader]:
+        with super().open_reader(key) as reader:
+            self._together(key)
+            yield reader
+
 
 def test_parallel_load_of_a_multi_chunk_tensor_is_exact(tmp_path: Path) -> None:
     store = BarrierStore(tmp_path / "store", parties=8)
@@ -648,6 +657,11 @@ class RecordingStore(LocalStore):
         with self._lock:
             self.gets.append(key)
         return super().get_view(key)
+
+    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
+        with self._lock:
+            self.gets.append(key)
+        return super().open_reader(key)
 
 
 def model_state() -> dict[str, Any]:

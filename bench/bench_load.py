@@ -1,0 +1,236 @@
+"""Loads against torch.distributed.checkpoint and the mmap loaders, side by side in one run.
+
+The state is ``bench_save_vs_dcp.training_state``: fp32 weights plus AdamW's two moments
+(``--weights-gib 1`` makes 3 GiB), saved once by each contender (untimed). Then, alternating
+(the order rotates every repetition), memory warmed identically before every timed call:
+
+- ``ckptstore Run.load``: the newest checkpoint of a run opened before the timed call, every
+  blob's BLAKE3 digest verified, the tensors in memory the process owns;
+- ``dcp.load``: ``FileSystemReader`` into a state dict of empty tensors of the right shapes
+  (allocated untimed, untouched, so both pay the first touch of the destination pages);
+- ``torch.load(mmap=True)`` and safetensors ``load_file`` (which maps the file), each followed
+  by a pass that reads every byte (a sum over every tensor): a lazy mmap load that never reads
+  its bytes measures nothing; these two are "the mmap loaders", which verify nothing.
+
+Each load twice: from a **hot** page cache, and with the files **evicted** (every file of the
+contender's checkpoint dropped from the page cache with ``posix_fadvise(DONTNEED)`` before the
+timed call; the files were fsynced, so the pages are clean and really go).
+
+Goals (issue 13): hot <= 1.0x the faster mmap loader, evicted <= 1.0x dcp.load.
+
+Run: ``.venv/bin/python bench/bench_load.py [--weights-gib 1] [--reps 3] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR.parent))
+sys.path.insert(0, str(BENCH_DIR))
+
+from bench_save_vs_dcp import State, nbytes, training_state  # noqa: E402
+from bench_store import Row, rotated, timed  # noqa: E402
+
+from ckptstore import open_run  # noqa: E402
+from ckptstore.serialize.compare import first_difference  # noqa: E402
+
+GiB = 1 << 30
+OURS = "ckptstore Run.load (verified)"
+DCP = "dcp.load (FileSystemReader)"
+TORCH_MMAP = "torch.load(mmap) + read all"
+ST_MMAP = "safetensors load_file + read all"
+MMAP_LOADERS = (TORCH_MMAP, ST_MMAP)
+
+
+def read_every_byte(state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Read every byte of every tensor (what a lazy mmap load leaves undone)."""
+    for part in state.values():
+        for t in part.values():
+            flat = t.reshape(-1).view(torch.uint8)
+            if flat.numel() % 8 == 0:
+                flat = flat.view(torch.int64)
+            flat.sum()
+
+
+def files_of(root: Path) -> Iterator[Path]:
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            yield Path(dirpath) / name
+
+
+def evict(root: Path) -> None:
+    """Drop every file under ``root`` from the page cache (they are clean: fsynced)."""
+    for path in files_of(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def empty_like(state: State) -> State:
+    return {c: {k: torch.empty_like(v) for k, v in part.items()} for c, part in state.items()}
+
+
+class Contenders:
+    """Each contender's checkpoint, saved once, and its load."""
+
+    def __init__(self, state: State, where: Path) -> None:
+        import safetensors.torch
+        import torch.distributed.checkpoint as dcp
+
+        self.state, self.where = state, where
+        self.run = open_run("bench", db=where / "m.db", store=where / "store", async_save=False)
+        self.run.save(1, state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "assuming the intent is to ... single process"
+            dcp.save(
+                state,
+                storage_writer=dcp.FileSystemWriter(
+                    where / "dcp", thread_count=2, sync_files=True
+                ),
+            )
+        (where / "pt").mkdir()
+        torch.save(state, where / "pt" / "state.pt")
+        (where / "st").mkdir()
+        for name, part in state.items():
+            safetensors.torch.save_file(part, where / "st" / f"{name}.safetensors")
+        self.dirs = {
+            OURS: where / "store",
+            DCP: where / "dcp",
+            TORCH_MMAP: where / "pt",
+            ST_MMAP: where / "st",
+        }
+
+    def load(self, name: str) -> Callable[[], Any]:
+        if name == OURS:
+            return lambda: self.run.load().state
+        if name == DCP:
+            import torch.distributed.checkpoint as dcp
+
+            target = empty_like(self.state)
+
+            def dcp_load() -> State:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    dcp.load(target, storage_reader=dcp.FileSystemReader(self.dirs[DCP]))
+                return target
+
+            return dcp_load
+        if name == TORCH_MMAP:
+
+            def torch_mmap() -> State:
+                loaded = torch.load(self.dirs[TORCH_MMAP] / "state.pt", mmap=True, weights_only=True)
+                read_every_byte(loaded)
+                return loaded  # type: ignore[no-any-return]
+
+            return torch_mmap
+
+        def st_mmap() -> State:
+            import safetensors.torch
+
+            loaded = {
+                part: safetensors.torch.load_file(self.dirs[ST_MMAP] / f"{part}.safetensors")
+                for part in self.state
+            }
+            read_every_byte(loaded)
+            return loaded
+
+        return st_mmap
+
+    def close(self) -> None:
+        self.run.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights-gib", type=float, default=1.0, help="fp32 weights (x3 loaded)")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--dir", default=str(BENCH_DIR / "out"))
+    parser.add_argument("--json", help="write the goal rows here (for bench/suite.py)")
+    args = parser.parse_args()
+
+    state = training_state(args.weights_gib)
+    size = nbytes(state)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    where = Path(tempfile.mkdtemp(dir=args.dir))
+    print(
+        f"{sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
+        f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    print(f"state: {size / GiB:.2f} GiB fp32 (weights + AdamW moments); reps {args.reps}; medians")
+    names = [OURS, DCP, TORCH_MMAP, ST_MMAP]
+    rows = {(cache, n): Row(f"load {cache}", n) for cache in ("hot", "evicted") for n in names}
+    contenders = Contenders(state, where)
+    try:
+        for name in names:  # untimed first call each: imports, first-use set-up
+            contenders.load(name)()
+        loaded = contenders.load(OURS)()
+        for part in state:
+            if (difference := first_difference(state[part], loaded[part])) is not None:
+                raise SystemExit(f"ckptstore's load of {part!r} differs: {difference}")
+        del loaded
+        for rep in range(args.reps):
+            for cache in ("hot", "evicted"):
+                for name in rotated(names, rep):
+                    if cache == "evicted":
+                        evict(contenders.dirs[name])
+                    else:
+                        contenders.load(name)()  # bring its files into the page cache
+                    result = timed("warm", rows[cache, name], contenders.load(name))
+                    del result
+    finally:
+        contenders.close()
+        shutil.rmtree(where, ignore_errors=True)
+
+    print()
+    print(f"{'op':<13} {'contender':<36} {'median s':>8} {'GB/s':>6} {'CPU-s':>6} {'other%':>6}  runs")
+    for (cache, name), row in rows.items():
+        runs = " ".join(f"{t:.3f}" for t in row.times)
+        other = f"{100 * max(row.foreign):5.0f}%" if row.foreign else "   n/a"
+        cpu = sorted(row.cpu)[len(row.cpu) // 2]
+        print(
+            f"load {cache:<8} {name:<36} {row.median:8.3f} {size / row.median / 1e9:6.2f} "
+            f"{cpu:6.2f} {other}  {runs}"
+        )
+    hot_peer = min(MMAP_LOADERS, key=lambda n: rows["hot", n].median)
+    goals = [
+        ("load 3 GiB-class state, page cache hot", "hot", hot_peer, "<= 1.0x the mmap loaders"),
+        ("load, files evicted", "evicted", DCP, "<= 1.0x dcp.load"),
+    ]
+    out = []
+    print()
+    for work, cache, peer, goal in goals:
+        ours, theirs = rows[cache, OURS].median, rows[cache, peer].median
+        print(f"{work}: ckptstore / {peer} = {ours / theirs:.2f}x (goal {goal})")
+        out.append(
+            {
+                "work": f"{work} ({size / GiB:.2f} GiB)",
+                "ours": ours,
+                "peer": peer,
+                "peer_value": theirs,
+                "unit": "s",
+                "ratio": ours / theirs,
+                "goal": goal,
+                "met": ours <= theirs,
+            }
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
