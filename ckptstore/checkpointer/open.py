@@ -32,6 +32,7 @@ def open_run(
     retention: RetentionPolicy | None = None,
     writer_options: WriterOptions | None = None,
     async_save: bool = True,
+    keep_snapshot_buffers: bool = False,
     fork_from: str | tuple[str, int] | None = None,
     allow_config_change: bool = False,
 ) -> Run:
@@ -48,6 +49,14 @@ def open_run(
             writer still alive can no longer commit (fencing). Only a writer creates a missing
             database or store; a reader gets a ConfigError naming the path.
         retention: Which committed checkpoints to keep; default keeps all.
+        async_save: ``save`` returns once the state is copied into host buffers, and stores
+            and commits it in the background (False: ``save`` returns once it is committed,
+            storing straight from the caller's tensors).
+        keep_snapshot_buffers: Keep the async snapshot's host buffers resident between saves
+            (a second copy of the state for the run's lifetime, for runs that prefer the
+            fastest snapshot to memory). By default their memory goes back to the kernel once
+            each save is stored, and is reused without page faults while the kernel has not
+            needed it.
         fork_from: ``"RUN@STEP"`` of the checkpoint a new run starts from (lineage).
     """
     check_run_name(name)
@@ -90,6 +99,7 @@ def open_run(
             retention=retention,
             writer_options=writer_options,
             async_save=async_save,
+            keep_snapshot_buffers=keep_snapshot_buffers,
             owns=owns,
         )
     except BaseException:

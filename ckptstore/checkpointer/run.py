@@ -44,6 +44,7 @@ class Run:
         retention: RetentionPolicy,
         writer_options: WriterOptions | None,
         async_save: bool,
+        keep_snapshot_buffers: bool = False,
         owns: Sequence[Any] = (),
     ) -> None:
         self.db = db
@@ -54,7 +55,7 @@ class Run:
         self.retention = retention
         self.async_save = async_save
         self._owns = list(owns)
-        self._snapshotter = Snapshotter()
+        self._snapshotter = Snapshotter(keep_buffers=keep_snapshot_buffers)
         #: The live blobs this run's current save will likely share (refreshed per save).
         self._live: frozenset[str] = frozenset()
         self._blobs = BlobWriter(store, writer_options, known=self._is_live_blob)
@@ -128,10 +129,17 @@ class Run:
         )
         own = time.perf_counter() - started + blocked_seconds
         request.blocked = max([own, *(r.blocked_seconds for r in receipts)])
-        handle = self._queue.submit(step, lambda: commit.run_save(writer, request), request.blocked)
+        handle = self._queue.submit(step, lambda: self._store(writer, request), request.blocked)
         if not self.async_save:
             handle.wait()
         return handle
+
+    def _store(self, writer: commit.Writer, request: commit.SaveRequest) -> CheckpointInfo:
+        """The background half of a save; the snapshot's memory may go once it is over."""
+        try:
+            return commit.run_save(writer, request)
+        finally:
+            self._snapshotter.release()
 
     def _writer(self) -> commit.Writer:
         if self._closed:
@@ -204,6 +212,7 @@ class Run:
         finally:
             self._closed = True
             self._queue.shutdown()
+            self._snapshotter.clear()
             self._blobs.close()
             for resource in reversed(self._owns):
                 resource.close()

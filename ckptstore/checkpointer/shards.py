@@ -113,12 +113,21 @@ class ShardSave:
 class ShardWriter:
     """Stores components from a worker process. Use one per process; close it when done."""
 
-    def __init__(self, store: str | ObjectStore, *, options: WriterOptions | None = None) -> None:
+    def __init__(
+        self,
+        store: str | ObjectStore,
+        *,
+        options: WriterOptions | None = None,
+        keep_snapshot_buffers: bool = False,
+    ) -> None:
+        """``keep_snapshot_buffers``: keep ``save``'s host buffers resident between saves
+        (by default their memory goes back to the kernel once each save is stored; see
+        :mod:`ckptstore.checkpointer.snapshot`)."""
         self._owns_store = not isinstance(store, ObjectStore)
         self.store = open_store(store) if not isinstance(store, ObjectStore) else store
         self._writer = BlobWriter(self.store, options)
         # Its buffers are reused by every save: safe, since one save at most is in flight.
-        self._snapshotter = Snapshotter()
+        self._snapshotter = Snapshotter(keep_buffers=keep_snapshot_buffers)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-shards")
         self._pending: ShardSave | None = None
         self._closed = False
@@ -185,6 +194,7 @@ class ShardWriter:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._snapshotter.clear()
             self._writer.close()
             if self._owns_store:
                 self.store.close()
@@ -223,16 +233,22 @@ class ShardWriter:
         started_at: float,
         blocked: float,
     ) -> list[ShardReceipt]:
-        """The background half of ``save``: every snapshotted component, stored in turn."""
-        self._writer.forget()
-        receipts = []
-        for name, flat in flats.items():
-            began = time.perf_counter()
-            result = write_flat(self._writer, flat)
-            upload = time.perf_counter() - began
-            receipts.append(ShardReceipt(name, result, kind_of[name], started_at, blocked, upload))
-        self.store.flush()  # a receipt promises durable objects: the commit relies on it
-        return receipts
+        """The background half of ``save``: every snapshotted component, stored in turn; then
+        the snapshot's memory may go."""
+        try:
+            self._writer.forget()
+            receipts = []
+            for name, flat in flats.items():
+                began = time.perf_counter()
+                result = write_flat(self._writer, flat)
+                upload = time.perf_counter() - began
+                receipts.append(
+                    ShardReceipt(name, result, kind_of[name], started_at, blocked, upload)
+                )
+            self.store.flush()  # a receipt promises durable objects: the commit relies on it
+            return receipts
+        finally:
+            self._snapshotter.release()
 
 
 def check_components(

@@ -1,16 +1,24 @@
 """The only part of a save that blocks training: copying state into host buffers.
 
-Buffers are kept between saves and reused when a tensor's path, dtype and shape are unchanged,
-so steady-state snapshots copy into memory that is already mapped (no page faults) — the
-dominant cost of a first snapshot. The leaf describing a buffer (its byte view) is kept with
-it, so a steady-state snapshot does no per-tensor work beyond the copy. Tensors on a GPU are
-copied into pinned host buffers. One save is in flight at a time, so a buffer (and its leaf) is
-never reused while its bytes are still being stored.
+Buffers are reused when a tensor's path, dtype and shape are unchanged, so steady-state
+snapshots copy into memory that is already mapped: page faults on fresh memory cost several
+times the copy itself on a typical host. The leaf describing a buffer (its byte view) is kept
+with it, so a steady-state snapshot does no per-tensor work beyond the copy. Tensors on a GPU
+are copied into pinned host buffers. One save is in flight at a time, so a buffer (and its
+leaf) is never reused while its bytes are still being stored.
+
+Between saves, a run need not hold a second copy of its state. By default, once a save's bytes
+are stored, the buffers' memory is handed back to the kernel with ``MADV_FREE``: it no longer
+counts as the process's own (``LazyFree`` in ``/proc/self/smaps_rollup``) and the kernel takes
+it whenever it needs memory; if it has not, the next snapshot writes into the same pages without
+faulting them in again. ``keep_buffers=True`` keeps them resident instead (pinned buffers
+always stay: they cannot be handed back lazily).
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +43,11 @@ def looks_unwrapped(components: Mapping[str, Any]) -> bool:
     return bare >= 0.9 * len(components)
 
 
+#: Host buffers at least this big get a private mapping of their own, which ``release``
+#: hands back to the kernel; smaller ones (a small share of any real state) come from the heap.
+OWN_MAPPING_BYTES = 64 << 10
+
+
 class HostBuffers:
     """Host buffers kept between snapshots, one per key, reused while the tensor stored under
     the key keeps its dtype and shape (pinned when the source is on a GPU).
@@ -42,11 +55,19 @@ class HostBuffers:
     A snapshot is ``begin()``, ``copy(key, tensor)`` for each tensor, ``end()``: ``end`` forgets
     the buffers of keys that were not copied this time (memory follows the state's size) and
     waits for device-to-host copies. The caller must not reuse a buffer while its bytes are
-    still being stored (one save in flight).
+    still being stored (one save in flight), and calls ``release()`` once they are stored.
+
+    Args:
+        keep_buffers: Keep the buffers resident between snapshots (``release`` does nothing);
+            by default ``release`` hands their memory back to the kernel lazily (see the
+            module docstring).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, keep_buffers: bool = False) -> None:
+        self.keep_buffers = keep_buffers
         self._buffers: dict[str, torch.Tensor] = {}
+        #: key -> the private mapping its buffer lives in (buffers not pinned, not tiny)
+        self._mappings: dict[str, mmap.mmap] = {}
         self._used: set[str] = set()
         self._from_gpu = False
 
@@ -64,33 +85,58 @@ class HostBuffers:
         buffer = self._buffers.get(key)
         fresh = buffer is None or buffer.dtype != source.dtype or buffer.shape != source.shape
         if fresh:
-            buffer = torch.empty(
-                source.shape, dtype=source.dtype, pin_memory=source.device.type == "cuda"
-            )
-            self._buffers[key] = buffer
+            buffer = self._buffers[key] = self._allocate(key, source)
         assert buffer is not None
         buffer.copy_(source.resolve_conj().resolve_neg(), non_blocking=True)
         return buffer, fresh
+
+    def _allocate(self, key: str, source: torch.Tensor) -> torch.Tensor:
+        pinned = source.device.type == "cuda"
+        nbytes = source.numel() * source.element_size()
+        self._mappings.pop(key, None)
+        if pinned or nbytes < OWN_MAPPING_BYTES:
+            return torch.empty(source.shape, dtype=source.dtype, pin_memory=pinned)
+        # Private and anonymous: MADV_FREE applies to nothing else.
+        mapping = self._mappings[key] = mmap.mmap(
+            -1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        flat = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        return flat.view(source.dtype).view(source.shape)
 
     def end(self) -> set[str]:
         """Finish a snapshot; returns the keys whose buffers were forgotten."""
         gone = set(self._buffers) - self._used
         for key in gone:
             del self._buffers[key]
+            self._mappings.pop(key, None)
         if self._from_gpu:
             torch.cuda.synchronize()  # the device-to-host copies were asynchronous
         return gone
 
+    def release(self) -> None:
+        """The snapshot's bytes are stored: hand the mapped buffers' memory back to the kernel
+        (lazily; the buffers stay valid and are reused by the next snapshot), unless
+        ``keep_buffers``."""
+        if self.keep_buffers:
+            return
+        for mapping in self._mappings.values():
+            mapping.madvise(mmap.MADV_FREE)
+
     def clear(self) -> None:
         """Forget every buffer."""
         self._buffers.clear()
+        self._mappings.clear()
 
 
 class Snapshotter:
-    """Copies components into reusable host buffers and flattens them."""
+    """Copies components into reusable host buffers and flattens them.
 
-    def __init__(self) -> None:
-        self._pool = HostBuffers()
+    ``keep_buffers``: see :class:`HostBuffers`. Call :meth:`release` once a snapshot's bytes
+    are stored.
+    """
+
+    def __init__(self, *, keep_buffers: bool = False) -> None:
+        self._pool = HostBuffers(keep_buffers=keep_buffers)
         #: buffer key -> the leaf that views its buffer (rebuilt when the buffer is new)
         self._leaves: dict[str, Leaf] = {}
         self._warned_unwrapped = False
@@ -114,8 +160,7 @@ class Snapshotter:
                 sample,
             )
         if not copy:
-            self._pool.clear()
-            self._leaves.clear()
+            self.clear()
             return {name: flatten_state(state) for name, state in components.items()}
         self._pool.begin()
         try:
@@ -127,6 +172,16 @@ class Snapshotter:
             for key in self._pool.end():
                 self._leaves.pop(key, None)
         return flats
+
+    def release(self) -> None:
+        """The last snapshot's bytes are stored: its buffers' memory may go back to the kernel
+        (see :meth:`HostBuffers.release`)."""
+        self._pool.release()
+
+    def clear(self) -> None:
+        """Forget every buffer (the writer is closing)."""
+        self._pool.clear()
+        self._leaves.clear()
 
     def _copy_view(self, component: str) -> Any:
         def view(tensor: torch.Tensor, path: str) -> Leaf:
