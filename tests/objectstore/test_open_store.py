@@ -103,7 +103,7 @@ def test_open_store_s3_options_reach_the_client(opened: list[ObjectStore]) -> No
     assert store.endpoint == "http://127.0.0.1:9"
     assert store.client.meta.config.read_timeout == 7.0
     # Local servers rarely resolve bucket subdomains: path style whenever an endpoint is set.
-    assert store.client.meta.config.s3 == {"addressing_style": "path"}
+    assert store.client.meta.config.s3["addressing_style"] == "path"
 
 
 def test_open_store_s3_works_end_to_end(moto_store_factory: S3StoreFactory) -> None:
