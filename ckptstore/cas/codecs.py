@@ -7,8 +7,9 @@ and one :func:`register` call: from then on the header accepts its id, reads dis
 ``decode``, and :func:`ckptstore.cas.codec.encode` offers it blobs (after the codecs registered
 before it have declined them).
 
-The built-in codecs (``raw`` 0, ``zstd`` 1, ``bgzstd`` 2) live in :mod:`ckptstore.cas.codec`,
-which importing :mod:`ckptstore.cas` registers, so they are known before any blob is touched.
+The built-in codecs (``raw`` 0, ``zstd`` 1, ``bgzstd`` 2, ``fphuff`` 3) are registered by
+:mod:`ckptstore.cas.codec`, which importing :mod:`ckptstore.cas` imports, so they are known
+before any blob is touched.
 """
 
 from __future__ import annotations
