@@ -7,8 +7,9 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: demo test test-slow stress lint format bench bench-dcp clean
+.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp clean
 
 $(VENV)/.installed-core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -52,8 +53,17 @@ format: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-## bench: the storage benchmark against torch.save/torch.load and safetensors
-bench: $(VENV)/.installed-dev
+$(VENV)/.installed-bench: $(VENV)/.installed-dev pyproject.toml
+	$(PIP) install -q -e '.[bench]'
+	touch $@
+
+## bench: issue 13's whole table, every goal as a ratio against peers measured in the same
+## run (save, load, async memory, codec, S3, CLI; ~20 min; BENCH_ARGS=--quick: ~5 min)
+bench: $(VENV)/.installed-bench
+	$(PY) bench/suite.py $(BENCH_ARGS)
+
+## bench-store: ckptstore against torch.save/torch.load and safetensors, with profiling extras
+bench-store: $(VENV)/.installed-dev
 	$(PY) bench/bench_store.py
 
 ## bench-dcp: 2-rank DCP save/load, ckptstore against DCP's FileSystemWriter/Reader (~1 min)

@@ -99,9 +99,7 @@ class Contenders:
             warnings.simplefilter("ignore")  # "assuming the intent is to ... single process"
             dcp.save(
                 state,
-                storage_writer=dcp.FileSystemWriter(
-                    where / "dcp", thread_count=2, sync_files=True
-                ),
+                storage_writer=dcp.FileSystemWriter(where / "dcp", thread_count=2, sync_files=True),
             )
         (where / "pt").mkdir()
         torch.save(state, where / "pt" / "state.pt")
@@ -133,7 +131,8 @@ class Contenders:
         if name == TORCH_MMAP:
 
             def torch_mmap() -> State:
-                loaded = torch.load(self.dirs[TORCH_MMAP] / "state.pt", mmap=True, weights_only=True)
+                path = self.dirs[TORCH_MMAP] / "state.pt"
+                loaded = torch.load(path, mmap=True, weights_only=True)
                 read_every_byte(loaded)
                 return loaded  # type: ignore[no-any-return]
 
@@ -197,7 +196,8 @@ def main() -> None:
         shutil.rmtree(where, ignore_errors=True)
 
     print()
-    print(f"{'op':<13} {'contender':<36} {'median s':>8} {'GB/s':>6} {'CPU-s':>6} {'other%':>6}  runs")
+    header = f"{'op':<13} {'contender':<36} {'median s':>8} {'GB/s':>6} {'CPU-s':>6}"
+    print(f"{header} {'other%':>6}  runs")
     for (cache, name), row in rows.items():
         runs = " ".join(f"{t:.3f}" for t in row.times)
         other = f"{100 * max(row.foreign):5.0f}%" if row.foreign else "   n/a"

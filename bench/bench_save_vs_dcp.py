@@ -14,8 +14,12 @@ memory warmed identically before every timed call, everything durable when the c
 Then an incremental save: ckptstore's next step with 10% of the weights' bytes changed (and the
 moments unchanged) into the same store, against DCP's full save of the same state.
 
+Then bf16 weights alone (``--bf16-gib``, default 1; 0 skips it): ckptstore ``Run.save`` against
+safetensors ``save_file`` + fsync and ``dcp.save``, the same way.
+
 Reported: medians, GB/s, and ratios ckptstore / best peer (goal: save <= 0.9x DCP,
-incremental <= 0.2x DCP's full save). Scratch files live under ``--dir`` (default
+incremental <= 0.2x DCP's full save, bf16 save <= 0.9x the best peer). ``--json PATH`` writes
+those rows for ``bench/suite.py``. Scratch files live under ``--dir`` (default
 ``bench/out/``) and are removed after every repetition.
 
 Run: ``.venv/bin/python bench/bench_save_vs_dcp.py [--weights-gib 1] [--reps 3]``.
@@ -24,6 +28,7 @@ Run: ``.venv/bin/python bench/bench_save_vs_dcp.py [--weights-gib 1] [--reps 3]`
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -33,6 +38,7 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +50,7 @@ from bench_store import (  # noqa: E402
     cpu_seconds,
     prepare,
     rotated,
+    safetensors_save,
     torch_save,
     transformer_state,
 )
@@ -103,6 +110,11 @@ def save_torch(state: State, where: Path) -> None:
     torch_save(state, where / "state.pt")
 
 
+def save_safetensors(state: State, where: Path) -> None:
+    for name, part in state.items():
+        safetensors_save(part, where / f"{name}.safetensors")
+
+
 def timed(fn: Callable[[], None]) -> tuple[float, float, float]:
     """(seconds, CPU-seconds of this process, CPU-seconds of other processes)."""
     prepare("warm")
@@ -114,11 +126,81 @@ def timed(fn: Callable[[], None]) -> tuple[float, float, float]:
     return seconds, own1 - own0, max(0.0, (all1 - all0) - (own1 - own0))
 
 
+Timing = tuple[float, float, float]
+OURS = "ckptstore Run.save"
+DCP = "dcp.save (2 threads, sync)"
+
+
+def measure(
+    state: State,
+    peers: dict[str, Callable[[State, Path], None]],
+    reps: int,
+    scratch: str,
+    *,
+    incremental: list[Timing] | None = None,
+) -> dict[str, list[Timing]]:
+    """Every contender's durable save of ``state``, alternating; with ``incremental``, also
+    ckptstore's next save after 10% of the saved bytes changed, appended there."""
+    names = [OURS, *peers]
+    results: dict[str, list[Timing]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in rotated(names, rep):
+            where = Path(tempfile.mkdtemp(dir=scratch))
+            try:
+                if name in peers:
+                    save = peers[name]
+                    results[name].append(timed(lambda save=save, where=where: save(state, where)))
+                    continue
+                with open_run(
+                    "bench", db=where / "m.db", store=where / "store", async_save=False
+                ) as run:
+                    full = save_ckptstore(run, 1)
+                    results[name].append(timed(lambda full=full, where=where: full(state, where)))
+                    if incremental is not None:
+                        change_fraction(state["model"], 0.10 * len(state), rep)
+                        nxt = save_ckptstore(run, 2)
+                        incremental.append(timed(lambda nxt=nxt, where=where: nxt(state, where)))
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+    return results
+
+
+def median(rows: list[Timing], i: int = 0) -> float:
+    return statistics.median(r[i] for r in rows)
+
+
+def print_rows(rows: dict[str, list[Timing]], size: int) -> None:
+    print()
+    print(f"{'contender':<34} {'median s':>8} {'GB/s':>6} {'CPU-s':>6} {'other CPU-s':>11}  runs")
+    for name, timings in rows.items():
+        runs = " ".join(f"{r[0]:.2f}" for r in timings)
+        print(
+            f"{name:<34} {median(timings):8.3f} {size / median(timings) / 1e9:6.2f} "
+            f"{median(timings, 1):6.2f} {median(timings, 2):11.2f}  {runs}"
+        )
+
+
+def goal_row(work: str, ours: float, peer: str, theirs: float, goal: float) -> dict[str, Any]:
+    print(f"{work}: ckptstore / {peer} = {ours / theirs:.2f}x (goal <= {goal}x)")
+    return {
+        "work": work,
+        "ours": ours,
+        "peer": peer,
+        "peer_value": theirs,
+        "unit": "s",
+        "ratio": ours / theirs,
+        "goal": f"<= {goal}x",
+        "met": ours / theirs <= goal,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--weights-gib", type=float, default=1.0, help="fp32 weights (x3 saved)")
+    parser.add_argument("--bf16-gib", type=float, default=1.0, help="bf16 weights (0: skip)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dir", default=str(BENCH_DIR / "out"))
+    parser.add_argument("--json", type=Path, help="write the goal rows here (bench/suite.py)")
     args = parser.parse_args()
 
     state = training_state(args.weights_gib)
@@ -131,61 +213,60 @@ def main() -> None:
     print(f"state: {size / GiB:.2f} GiB fp32 (weights + AdamW moments); reps {args.reps}; medians")
 
     peers: dict[str, Callable[[State, Path], None]] = {
-        "dcp.save (2 threads, sync)": save_dcp,
+        DCP: save_dcp,
         "torch.save + fsync": save_torch,
     }
-    names = ["ckptstore Run.save", *peers]
     # One untimed save each first: imports and first-use set-up are not what is measured.
     tiny = {"model": {"w": torch.ones(4)}, "exp_avg": {"w": torch.ones(4)}}
     where = Path(tempfile.mkdtemp(dir=args.dir))
     with open_run("warm-up", db=where / "m.db", store=where / "s", async_save=False) as run:
         save_ckptstore(run, 1)(tiny, where)
-    for peer in peers.values():
+    for peer in [*peers.values(), save_safetensors]:
         peer(tiny, where)
     shutil.rmtree(where, ignore_errors=True)
-    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in names}
-    incremental: list[tuple[float, float, float]] = []
-    for rep in range(args.reps):
-        for name in rotated(names, rep):
-            where = Path(tempfile.mkdtemp(dir=args.dir))
-            try:
-                if name in peers:
-                    save = peers[name]
-                    results[name].append(timed(lambda save=save, where=where: save(state, where)))
-                    continue
-                with open_run(
-                    "bench", db=where / "m.db", store=where / "store", async_save=False
-                ) as run:
-                    full = save_ckptstore(run, 1)
-                    results[name].append(timed(lambda full=full, where=where: full(state, where)))
-                    change_fraction(state["model"], 0.10 * 3, rep)  # 10% of all saved bytes
-                    next_step = save_ckptstore(run, 2)
-                    incremental.append(timed(lambda nxt=next_step, where=where: nxt(state, where)))
-            finally:
-                shutil.rmtree(where, ignore_errors=True)
-
-    def median(rows: list[tuple[float, float, float]], i: int) -> float:
-        return statistics.median(r[i] for r in rows)
-
-    dcp_s = median(results["dcp.save (2 threads, sync)"], 0)
-    best_peer = min(median(results[n], 0) for n in peers)
+    incremental: list[Timing] = []
+    results = measure(state, peers, args.reps, args.dir, incremental=incremental)
+    print_rows({**results, "ckptstore incremental (10%)": incremental}, size)
+    dcp_s = median(results[DCP])
+    best = min(peers, key=lambda n: median(results[n]))
+    ours = median(results[OURS])
     print()
-    print(f"{'contender':<34} {'median s':>8} {'GB/s':>6} {'CPU-s':>6} {'other CPU-s':>11}  runs")
-    for name, rows in [*results.items(), ("ckptstore incremental (10%)", incremental)]:
-        runs = " ".join(f"{r[0]:.2f}" for r in rows)
-        print(
-            f"{name:<34} {median(rows, 0):8.3f} {size / median(rows, 0) / 1e9:6.2f} "
-            f"{median(rows, 1):6.2f} {median(rows, 2):11.2f}  {runs}"
+    rows = [
+        goal_row(f"durable save {size / GiB:.2f} GiB fp32 (+AdamW)", ours, DCP, dcp_s, 0.9),
+        goal_row(
+            "incremental save, 10% changed, vs DCP's full save",
+            median(incremental),
+            DCP,
+            dcp_s,
+            0.2,
+        ),
+    ]
+    print(f"save: ckptstore / best peer ({best}) = {ours / median(results[best]):.2f}x")
+    del state
+    if args.bf16_gib > 0:
+        bf16 = {"model": {k: v.bfloat16() for k, v in transformer_state(args.bf16_gib).items()}}
+        bf16_size = nbytes(bf16)
+        bf16_peers: dict[str, Callable[[State, Path], None]] = {
+            "safetensors save_file + fsync": save_safetensors,
+            DCP: save_dcp,
+        }
+        print(f"\nbf16 weights: {bf16_size / GiB:.2f} GiB")
+        bf16_results = measure(bf16, bf16_peers, args.reps, args.dir)
+        print_rows(bf16_results, bf16_size)
+        best = min(bf16_peers, key=lambda n: median(bf16_results[n]))
+        print()
+        rows.append(
+            goal_row(
+                f"durable save {bf16_size / GiB:.2f} GiB bf16",
+                median(bf16_results[OURS]),
+                best,
+                median(bf16_results[best]),
+                0.9,
+            )
         )
-    ours = median(results["ckptstore Run.save"], 0)
-    inc = median(incremental, 0)
-    print()
-    print(f"save: ckptstore / dcp.save = {ours / dcp_s:.2f}x (goal <= 0.9x)")
-    print(f"save: ckptstore / best peer = {ours / best_peer:.2f}x")
-    print(
-        f"incremental: ckptstore (10% changed) / dcp.save full = {inc / dcp_s:.2f}x (goal <= 0.2x)"
-    )
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
