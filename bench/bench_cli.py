@@ -3,9 +3,8 @@
 Each command runs as its own process, as a user or a script runs it (``$(ckptstore latest
 RUN)``), on a SQLite manifest of ``--checkpoints`` committed checkpoints (default 1,000, one
 small component each), with its wall time and peak RSS (``wait4``'s ``ru_maxrss``, from a small
-spawner process). Side by
-side, in the same rounds (every contender once per round, the order rotated from round to round,
-medians over ``--reps`` rounds, default 15):
+spawner process). Side by side, in the same rounds (every contender once per round, the order
+rotated from round to round, medians over ``--reps`` rounds, default 15):
 
 - the peer: a Python process that runs the same lookup with the standard library's ``sqlite3``
   and prints the same thing -- what the command would cost without ckptstore and SQLAlchemy;
@@ -164,15 +163,15 @@ def contenders(db: str, store: str, count: int) -> list[tuple[Contender, Contend
     """Each command with its peer, the same lookup through sqlite3."""
     cli = str(Path(sys.executable).with_name("ckptstore"))
     middle = str(count // 2)
-    commands = {
-        "latest": (["latest", RUN], [RUN]),
-        "runs": (["runs"], []),
-        "ls": (["ls", RUN], [RUN]),
-        "show": (["show", f"{RUN}@{middle}"], [RUN, middle]),
+    commands = {  # name: (how the table shows it, its arguments, the peer's parameters)
+        "latest": ("latest RUN", ["latest", RUN], [RUN]),
+        "runs": ("runs", ["runs"], []),
+        "ls": ("ls RUN", ["ls", RUN], [RUN]),
+        "show": ("show RUN@STEP", ["show", f"{RUN}@{middle}"], [RUN, middle]),
     }
     pairs = []
-    for name, (args, params) in commands.items():
-        ours = Contender(f"ckptstore {' '.join(args)}", [cli, "--db", db, "--store", store, *args])
+    for name, (shown, args, params) in commands.items():
+        ours = Contender(f"ckptstore {shown}", [cli, "--db", db, "--store", store, *args])
         peer = Contender(
             f"python + sqlite3 ({name})",
             [sys.executable, "-c", PEER, db, " ".join(PEER_SQL[name].split()), *params],
