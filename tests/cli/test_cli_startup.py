@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from ckptstore.checkpointer import open_run
+from ckptstore.cli import commands
+from ckptstore.cli.main import build_parser
 
 HEAVY = ("torch", "numpy", "boto3", "alembic", "zstandard")
 
@@ -98,3 +100,20 @@ def test_the_probe_would_see_a_heavy_import(saved: tuple[str, str], tmp_path: Pa
     assert report["code"] == 0, report
     assert "numpy" in report["heavy"]
     assert report["orm"]
+
+
+def test_every_command_module_has_its_line_in_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    # A command is found by its name in COMMANDS before its module is imported: a module
+    # missing there could never run, and one that registered another name would not parse.
+    modules = {p.stem for p in Path(commands.__file__).parent.glob("*.py")} - {"__init__"}
+    assert set(commands.COMMANDS) == modules
+    for name in commands.COMMANDS:
+        with pytest.raises(SystemExit) as exited:
+            build_parser(name).parse_args([name, "--help"])
+        assert exited.value.code == 0
+        assert capsys.readouterr().out.startswith(f"usage: ckptstore {name} ")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    listing = " ".join(capsys.readouterr().out.split())  # argparse wraps long lines
+    for name, line in commands.COMMANDS.items():
+        assert f" {name} {line} " in listing
