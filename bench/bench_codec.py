@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -211,7 +212,7 @@ def report(
         line = []
         for metric, mine, theirs, unit in metrics:
             ratio = mine / theirs
-            line.append(f"{metric} {ratio:.3f}")
+            line.append(f"{metric} {ratio:.4f}")
             rows.append(
                 {
                     "work": f"{work.name} {metric} (1 thread)",
@@ -239,9 +240,14 @@ def main() -> None:
     torch.set_num_threads(1)
     contenders: list[Any] = [CkptstoreCodec(FloatPlaneCodec()), Zipnn(), CkptstoreCodec(BGZSTD)]
     works = tensors(args.size_mib)
+    load_before = os.getloadavg()[0]
     samples = measure(contenders, works, args.reps)
     rows = report(samples, works, [c.name for c in contenders])
-    print(f"{args.reps} reps, {args.size_mib} MiB per tensor; median (min-max) over reps")
+    print(
+        f"{args.reps} reps, {args.size_mib} MiB per tensor; median (min-max) over reps; "
+        f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
+        f"({os.cpu_count()} CPUs)"
+    )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
         met = sum(r["met"] for r in rows)

@@ -37,9 +37,10 @@ except ImportError as exc:
 else:
     NATIVE_ERROR = None
 
-#: Encoding throughput across the writer's threads, bytes/s (2 cores, measured with
-#: bench/bench_codec.py: 1.1-2.1 GB/s per thread on bf16, more on fp32); what the auto policy
-#: weighs against a store's bandwidth (ckptstore.cas.codec.min_gain).
+#: Encoding throughput across the writer's threads, bytes/s, on the 2-core machine this was
+#: measured on (bench/bench_codec.py: one thread 0.7-2.1 GB/s on bf16 and 1.1-2.9 GB/s on fp32,
+#: depending on the load); what the auto policy weighs against a store's bandwidth
+#: (ckptstore.cas.codec.min_gain). zstd's is 1 GB/s.
 BYTES_PER_S = 2.5e9
 #: Payload layout version in the params; a decoder refuses any other.
 FORMAT = 1
