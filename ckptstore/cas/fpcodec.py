@@ -98,7 +98,8 @@ class FloatPlaneCodec:
         ):
             raise IntegrityError(
                 f"{where}: float codec header (format {fmt}, block 2**{block_log2}, itemsize "
-                f"{itemsize}, {raw_len} raw bytes) is not one this ckptstore wrote (corrupt)"
+                f"{itemsize}, {raw_len} raw bytes) is not one this ckptstore writes (corrupt, or "
+                "written by a newer ckptstore)"
             )
         if NATIVE_ERROR is not None:
             raise ConfigError(f"{where}: cannot decode a {self.name} blob: {NATIVE_ERROR}")
