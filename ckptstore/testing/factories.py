@@ -122,6 +122,7 @@ _CLIENT_OPTIONS = frozenset(
         "connect_timeout",
         "read_timeout",
         "max_concurrency",
+        "sign_payload",
     }
 )
 
