@@ -5,7 +5,10 @@ took about a third of the start-up of a process that only reads (``ckptstore lat
 ~80 of ~250 ms here), and a lookup needs neither. So these statements name the tables as light
 clauses (:func:`sqlalchemy.table`) whose columns are the records' fields (a new field selects
 its column), typed only where a driver's value must be converted (JSON, times, booleans);
-``tests/manifest/test_lookups.py`` holds them to the models.
+``tests/manifest/test_lookups.py`` holds them to the models. The reports
+(:mod:`ckptstore.manifest.reports`: ``runs``, ``du``, ``plot``) read through the same light
+tables, the blob tables among them, and the statuses come from
+:mod:`ckptstore.manifest.statuses`, so no read command imports the ORM.
 
 Each query is written once, here: readers run it on a Core connection
 (:meth:`Database.connect <ckptstore.manifest.db.Database.connect>`) and get records; writers in
@@ -25,17 +28,12 @@ from sqlalchemy.sql.expression import ColumnClause, ScalarSelect, TableClause
 
 from ckptstore.errors import CheckpointNotFoundError, IntegrityError
 from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo, field_names
+from ckptstore.manifest.statuses import Status
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 R = TypeVar("R")
-
-#: ``Status.COMMITTED``'s value (the enum lives with the ORM models, which this module must not
-#: import; a test checks that the two agree).
-COMMITTED = "committed"
-#: ``Status.CORRUPT``'s value, likewise.
-CORRUPT = "corrupt"
 
 #: The columns whose driver values SQLAlchemy converts: SQLite returns JSON and times as text
 #: and booleans as integers. Every other column comes back as the driver gives it.
@@ -45,6 +43,8 @@ _TYPES: dict[str, Any] = {
     "metrics": JSON(),
     "created_at": DateTime(timezone=True),
     "committed_at": DateTime(timezone=True),
+    "last_claimed_at": DateTime(timezone=True),
+    "condemned_at": DateTime(timezone=True),
     "higher_is_better": Boolean(),
 }
 
@@ -58,6 +58,25 @@ checkpoints = table(
     "checkpoints", column("run_id"), *_columns(CheckpointInfo, omit=("run", "components"))
 )
 components = table("components", column("checkpoint_id"), *_columns(ComponentInfo))
+# Blob rows have no record: their columns by name (what ``du`` sums, in manifest.reports).
+blobs = table(
+    "blobs",
+    *(
+        column(name, _TYPES.get(name))
+        for name in (
+            "digest",
+            "kind",
+            "logical_bytes",
+            "stored_bytes",
+            "codec",
+            "created_at",
+            "last_claimed_at",
+            "state",
+            "condemned_at",
+        )
+    ),
+)
+checkpoint_blobs = table("checkpoint_blobs", column("checkpoint_id"), column("digest"))
 
 
 def _record(record_type: type[R], source: TableClause, row: Row[Any], **given: Any) -> R:
@@ -106,7 +125,7 @@ def newest_committed(run_id: int, *, before_step: int | None = None) -> Select[A
     """The row of the run's newest committed checkpoint (below ``before_step`` if given): one
     indexed lookup, whatever the history's length."""
     query = select(checkpoints).where(
-        checkpoints.c.run_id == run_id, checkpoints.c.status == COMMITTED
+        checkpoints.c.run_id == run_id, checkpoints.c.status == Status.COMMITTED
     )
     if before_step is not None:
         query = query.where(checkpoints.c.step < before_step)
@@ -154,12 +173,12 @@ def committed_at_step(conn: Connection | Session, run_id: int, step: int) -> Row
         .order_by(checkpoints.c.id.desc())
         .limit(1)
     )
-    rows = _execute(conn, at_step.where(checkpoints.c.status == COMMITTED))
+    rows = _execute(conn, at_step.where(checkpoints.c.status == Status.COMMITTED))
     if rows:
         return rows[0]
     others = _execute(conn, at_step)
     other = others[0] if others else None
-    if other is not None and other.status == CORRUPT:
+    if other is not None and other.status == Status.CORRUPT:
         raise IntegrityError(
             f"the checkpoint at step {step} is marked corrupt: {other.error}; load another step"
         )

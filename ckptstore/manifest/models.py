@@ -30,6 +30,12 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo
 
+# The enums live in their own module, without the ORM, for the readers that must not import
+# it; they are re-exported here, where the constraints that check them are declared.
+from ckptstore.manifest.statuses import BlobState as BlobState
+from ckptstore.manifest.statuses import Status as Status
+from ckptstore.manifest.statuses import Trigger as Trigger
+
 NAMING = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -37,32 +43,6 @@ NAMING = {
     "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
     "pk": "pk_%(table_name)s",
 }
-
-
-class Status(enum.StrEnum):
-    """The life of a checkpoint row."""
-
-    PENDING = "pending"
-    COMMITTED = "committed"
-    FAILED = "failed"
-    CORRUPT = "corrupt"
-    DELETED = "deleted"
-
-
-class Trigger(enum.StrEnum):
-    """Why a checkpoint was saved."""
-
-    PERIOD = "period"
-    LAST = "last"
-    TIMEOUT = "timeout"
-    MANUAL = "manual"
-
-
-class BlobState(enum.StrEnum):
-    """A blob row: live, or condemned by GC (or as damaged)."""
-
-    LIVE = "live"
-    CONDEMNED = "condemned"
 
 
 def _in(column: str, values: type[enum.StrEnum]) -> str:

@@ -14,6 +14,7 @@ from ckptstore.errors import CheckpointNotFoundError
 from ckptstore.manifest import lookups
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo, RunInfo
+from ckptstore.manifest.statuses import Status
 
 
 def find_run(db: Database, name: str) -> RunInfo | None:
@@ -84,7 +85,7 @@ def checkpoint(db: Database, checkpoint_id: int) -> CheckpointInfo | None:
 
 
 def targets(
-    db: Database, *, run: str | None, step: int | None, status: str = lookups.COMMITTED
+    db: Database, *, run: str | None, step: int | None, status: str = Status.COMMITTED
 ) -> list[CheckpointInfo]:
     """Checkpoints in ``status`` (of one run, at one step), by run name and step: what verify
     walks."""

@@ -3,6 +3,11 @@
 What ``ckptstore runs``, ``plot`` and ``du`` show, beyond the single-row lookups of
 :mod:`ckptstore.manifest.reads`. Each report is one dataclass declared next to the statement
 that fills it, so a new field is one line here and appears in the CLI's ``--json`` at once.
+
+The statements run on SQLAlchemy Core over the light tables of
+:mod:`ckptstore.manifest.lookups` (:meth:`Database.connect
+<ckptstore.manifest.db.Database.connect>`), so ``ckptstore runs`` and ``du`` never import the
+ORM.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import column, func, select, table
+from sqlalchemy.engine import Connection
 
+from ckptstore.manifest import lookups
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, CheckpointRow, RunRow, Status
+from ckptstore.manifest.lookups import blobs, checkpoint_blobs, checkpoints, runs
 from ckptstore.manifest.records import field_names
+from ckptstore.manifest.statuses import Status
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +48,8 @@ def run_summaries(db: Database) -> list[RunSummary]:
     """Every run's summary, by run name."""
     # The view's columns are named after the record's fields: a new field selects its column.
     view = table("run_summary", *(column(name) for name in field_names(RunSummary)))
-    with db.read() as session:
-        rows = session.execute(select(*view.c).order_by(view.c.run))
+    with db.connect() as conn:
+        rows = conn.execute(select(*view.c).order_by(view.c.run))
         return [RunSummary(**row._asdict()) for row in rows]
 
 
@@ -62,12 +70,11 @@ def metric_points(
 ) -> list[MetricPoint]:
     """The numeric values of ``metric`` in the run's checkpoints in ``statuses``, by step
     (a checkpoint without the metric, or with a value that is not a number, has no point)."""
-    with db.read() as session:
-        rows = session.execute(
-            select(CheckpointRow.step, CheckpointRow.status, CheckpointRow.metrics)
-            .where(CheckpointRow.run_id == run_id, CheckpointRow.status.in_(statuses))
-            .order_by(CheckpointRow.step)
-        ).all()
+    query = lookups.of_run(run_id, statuses).with_only_columns(
+        checkpoints.c.step, checkpoints.c.status, checkpoints.c.metrics
+    )
+    with db.connect() as conn:
+        rows = conn.execute(query).all()
     points = []
     for step, status, metrics in rows:
         value = metrics.get(metric) if isinstance(metrics, dict) else None
@@ -113,35 +120,34 @@ class UsageReport:
 
 def usage(db: Database) -> UsageReport:
     """Logical versus stored bytes, per run and overall."""
-    with db.read() as session:
-        runs = session.execute(select(RunRow.id, RunRow.name).order_by(RunRow.name)).all()
-        all_rows = session.scalar(select(func.coalesce(func.sum(BlobRow.stored_bytes), 0)))
-    return UsageReport(
-        runs=tuple(_usage(db, name, run_id) for run_id, name in runs),
-        total=_usage(db, "TOTAL", None),
-        all_blob_rows_stored_bytes=int(all_rows or 0),
-    )
+    with db.connect() as conn:
+        named = conn.execute(select(runs.c.id, runs.c.name).order_by(runs.c.name)).all()
+        all_rows = conn.scalar(select(func.coalesce(func.sum(blobs.c.stored_bytes), 0)))
+        return UsageReport(
+            runs=tuple(_usage(conn, name, run_id) for run_id, name in named),
+            total=_usage(conn, "TOTAL", None),
+            all_blob_rows_stored_bytes=int(all_rows or 0),
+        )
 
 
-def _usage(db: Database, name: str, run_id: int | None) -> Usage:
-    committed = select(CheckpointRow.id).where(CheckpointRow.status == Status.COMMITTED)
+def _usage(conn: Connection, name: str, run_id: int | None) -> Usage:
+    committed = select(checkpoints.c.id).where(checkpoints.c.status == Status.COMMITTED)
     if run_id is not None:
-        committed = committed.where(CheckpointRow.run_id == run_id)
+        committed = committed.where(checkpoints.c.run_id == run_id)
     digests = (
-        select(CheckpointBlobRow.digest)
-        .where(CheckpointBlobRow.checkpoint_id.in_(committed))
+        select(checkpoint_blobs.c.digest)
+        .where(checkpoint_blobs.c.checkpoint_id.in_(committed))
         .distinct()
     )
-    with db.read() as session:
-        count, logical = session.execute(
-            select(func.count(), func.coalesce(func.sum(CheckpointRow.logical_bytes), 0)).where(
-                CheckpointRow.id.in_(committed)
-            )
-        ).one()
-        unique, stored = session.execute(
-            select(
-                func.coalesce(func.sum(BlobRow.logical_bytes), 0),
-                func.coalesce(func.sum(BlobRow.stored_bytes), 0),
-            ).where(BlobRow.digest.in_(digests))
-        ).one()
+    count, logical = conn.execute(
+        select(func.count(), func.coalesce(func.sum(checkpoints.c.logical_bytes), 0)).where(
+            checkpoints.c.id.in_(committed)
+        )
+    ).one()
+    unique, stored = conn.execute(
+        select(
+            func.coalesce(func.sum(blobs.c.logical_bytes), 0),
+            func.coalesce(func.sum(blobs.c.stored_bytes), 0),
+        ).where(blobs.c.digest.in_(digests))
+    ).one()
     return Usage(name, int(count), int(logical), int(unique), int(stored))

@@ -15,11 +15,19 @@ from sqlalchemy import BigInteger, Float, Integer, String, Text, select
 from sqlalchemy.types import NullType
 
 from ckptstore import RetentionPolicy, open_run
-from ckptstore.manifest import Database, lookups, reads
+from ckptstore.manifest import Database, lookups, models, reads
 from ckptstore.manifest import queries as q
 from ckptstore.manifest import transactions as tx
-from ckptstore.manifest.models import Base, CheckpointRow, ComponentRow, RunRow, Status
+from ckptstore.manifest.models import (
+    Base,
+    BlobRow,
+    CheckpointBlobRow,
+    CheckpointRow,
+    ComponentRow,
+    RunRow,
+)
 from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.manifest.statuses import BlobState, Status, Trigger
 from ckptstore.objectstore import LocalStore
 
 #: Types whose values every driver returns as the Python value itself (no conversion).
@@ -32,8 +40,10 @@ PLAIN = (Integer, BigInteger, String, Text, Float)
         (lookups.runs, RunRow),
         (lookups.checkpoints, CheckpointRow),
         (lookups.components, ComponentRow),
+        (lookups.blobs, BlobRow),
+        (lookups.checkpoint_blobs, CheckpointBlobRow),
     ],
-    ids=["runs", "checkpoints", "components"],
+    ids=["runs", "checkpoints", "components", "blobs", "checkpoint_blobs"],
 )
 def test_a_light_table_has_every_column_of_its_model_converted_alike(
     light: object, model: type[Base]
@@ -50,9 +60,10 @@ def test_a_light_table_has_every_column_of_its_model_converted_alike(
             assert getattr(light_type, "timezone", None) == getattr(model_type, "timezone", None)
 
 
-def test_the_status_values_are_the_models() -> None:
-    assert lookups.COMMITTED == Status.COMMITTED
-    assert lookups.CORRUPT == Status.CORRUPT
+def test_the_models_use_the_enums_the_readers_use() -> None:
+    # One definition: models re-exports (and its CHECK constraints list) the enums of
+    # statuses, which the readers import without the ORM.
+    assert (models.Status, models.Trigger, models.BlobState) == (Status, Trigger, BlobState)
 
 
 def orm_checkpoints(db: Database, run: RunRow) -> list[CheckpointInfo]:

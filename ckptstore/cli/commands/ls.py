@@ -11,7 +11,7 @@ from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import Column, emit, human_bytes, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.manifest import reads
-from ckptstore.manifest.models import Status
+from ckptstore.manifest.statuses import Status
 
 #: The table; ``--json`` has every field of each checkpoint.
 COLUMNS = (

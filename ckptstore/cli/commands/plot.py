@@ -16,8 +16,8 @@ from ckptstore.cli.output import emit, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.manifest import reads, reports
-from ckptstore.manifest.models import Status
 from ckptstore.manifest.reports import MetricPoint
+from ckptstore.manifest.statuses import Status
 from ckptstore.names import printable
 
 

@@ -1,0 +1,37 @@
+"""The values a manifest row's status, trigger and state may take (DESIGN.md §6).
+
+Apart from the ORM models (:mod:`ckptstore.manifest.models`, which re-exports them and makes
+each a CHECK constraint) so that readers on SQLAlchemy Core (:mod:`ckptstore.manifest.lookups`,
+:mod:`ckptstore.manifest.reports`) and the CLI's read commands can name them without
+importing the ORM.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.StrEnum):
+    """The life of a checkpoint row."""
+
+    PENDING = "pending"
+    COMMITTED = "committed"
+    FAILED = "failed"
+    CORRUPT = "corrupt"
+    DELETED = "deleted"
+
+
+class Trigger(enum.StrEnum):
+    """Why a checkpoint was saved."""
+
+    PERIOD = "period"
+    LAST = "last"
+    TIMEOUT = "timeout"
+    MANUAL = "manual"
+
+
+class BlobState(enum.StrEnum):
+    """A blob row: live, or condemned by GC (or as damaged)."""
+
+    LIVE = "live"
+    CONDEMNED = "condemned"
