@@ -9,16 +9,18 @@ decoder's scratch memory small and let every block pick its own code.
 
 Stored per block, for each plane k = 0 (lowest byte) .. itemsize-1 (exponent byte):
 
-    mode u8    0 raw, 1 Huffman, 2 constant
+    mode u8    0 raw, 1 Huffman, 2 constant, 3 Huffman with the plane's previous code
     raw:       the plane's bytes
     constant:  the one byte value
     Huffman:   first and last symbol (u8 each), their code lengths (4 bits each, low nibble
-               first, 0 = absent), the byte lengths of the 4 interleaved streams (u32 LE each),
+               first, 0 = absent), the byte lengths of the 8 interleaved streams (u32 LE each),
                then the streams
+    again:     the byte lengths of the 8 streams, then the streams, coded with the lengths the
+               plane's last Huffman (mode 1) block sent
 
-A stream holds the canonical Huffman codes of its quarter of the plane, least significant bit
+A stream holds the canonical Huffman codes of its eighth of the plane, least significant bit
 first. Decoding peeks 11 bits and takes up to four symbols from one table entry, and runs the
-four streams in the same loop so their table loads overlap: that is where the speed comes from.
+eight streams in the same loop so their table loads overlap: that is where the speed comes from.
 
 Everything read from a payload is bounds-checked; a payload that does not decode exactly raises
 ValueError, which the Python side turns into IntegrityError. The whole work runs without the GIL.
@@ -36,14 +38,21 @@ ValueError, which the Python side turns into IntegrityError. The whole work runs
 #error "the float codec reads elements and bit streams as little-endian words"
 #endif
 
+/* Codes are at most CODE_BITS long; the decoder peeks TABLE_BITS at a time, so that one peek
+   usually holds two of fp16's 5-6 bit codes (and four of bf16's 2-3 bit ones). */
+#define CODE_BITS 11
+#ifndef TABLE_BITS
 #define TABLE_BITS 11
+#endif
 #define TABLE_SIZE (1u << TABLE_BITS)
 #define TABLE_MASK (TABLE_SIZE - 1)
-#define STREAMS 4
+/* Interleaved streams per coded plane: eight independent chains of table lookups keep the
+   core busy while each waits for its table load. */
+#define STREAMS 8
 /* A table entry holds at most four symbols (one u32 store writes them). */
 #define ENTRY_SYMS 4
-/* Five lookups of at most TABLE_BITS bits each fit in the 57 bits a refill guarantees. */
-#define LOOKUPS_PER_REFILL 5
+/* Lookups of at most TABLE_BITS bits each that fit in the 57 bits a refill guarantees. */
+#define LOOKUPS_PER_REFILL (57 / TABLE_BITS)
 #define MAX_PLANES 8
 #define MIN_BLOCK_LOG2 8
 #define MAX_BLOCK_LOG2 24
@@ -51,7 +60,7 @@ ValueError, which the Python side turns into IntegrityError. The whole work runs
 #define SAMPLE_WINDOWS 16
 #define SAMPLE_WINDOW 4096
 
-enum { MODE_RAW = 0, MODE_HUFF = 1, MODE_CONST = 2 };
+enum { MODE_RAW = 0, MODE_HUFF = 1, MODE_CONST = 2, MODE_HUFF_AGAIN = 3 };
 
 static inline uint64_t load_le64(const uint8_t *p) {
     uint64_t v;
@@ -130,25 +139,22 @@ static void merge_planes(const uint8_t *const *planes, size_t n, int w, uint8_t 
     }
 }
 
-/* The four streams' shares of n symbols: stream s holds [start[s], start[s + 1]). */
+/* The streams' shares of n symbols: stream s holds [start[s], start[s + 1]). */
 static void stream_bounds(size_t n, size_t start[STREAMS + 1]) {
     size_t q = (n + STREAMS - 1) / STREAMS;
     for (int s = 0; s <= STREAMS; s++) start[s] = (size_t)s * q < n ? (size_t)s * q : n;
 }
 
-/* Per-stream symbol counts. The four counters advance together so that runs of one symbol
+/* Per-stream symbol counts. The streams' counters advance together so that runs of one symbol
    (exponents repeat a lot) do not serialise on a single counter. */
 static void histogram(const uint8_t *p, size_t n, uint32_t h[STREAMS][256]) {
     size_t start[STREAMS + 1];
     stream_bounds(n, start);
     memset(h, 0, sizeof(uint32_t) * STREAMS * 256);
     size_t common = start[STREAMS] - start[STREAMS - 1];
-    const uint8_t *a = p + start[0], *b = p + start[1], *c = p + start[2], *d = p + start[3];
     for (size_t i = 0; i < common; i++) {
-        h[0][a[i]]++;
-        h[1][b[i]]++;
-        h[2][c[i]]++;
-        h[3][d[i]]++;
+#pragma GCC unroll 16
+        for (int s = 0; s < STREAMS; s++) h[s][p[start[s] + i]]++;
     }
     for (int s = 0; s < STREAMS; s++)
         for (size_t i = start[s] + common; i < start[s + 1]; i++) h[s][p[i]]++;
@@ -161,7 +167,7 @@ static int cmp_u64(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
-/* The optimal code lengths of at most TABLE_BITS bits for the symbols with nonzero counts (at
+/* The optimal code lengths of at most CODE_BITS bits for the symbols with nonzero counts (at
    least two), by package-merge: level 1 lists the symbols by count; each further level merges
    them with the pairs ("packages") of the level below. The first 2n - 2 items of the top level
    are the cheapest way to pay for a complete code; a symbol's length is how many of them
@@ -169,9 +175,9 @@ static int cmp_u64(const void *x, const void *y) {
 static void huff_lengths(const uint32_t count[256], uint8_t len[256]) {
     static const int16_t PACKAGE = -1;
     uint64_t keyed[256], leaf_weight[256];
-    uint64_t weight[TABLE_BITS][512];
-    int16_t item[TABLE_BITS][512];
-    int size[TABLE_BITS];
+    uint64_t weight[CODE_BITS][512];
+    int16_t item[CODE_BITS][512];
+    int size[CODE_BITS];
     int n = 0;
     memset(len, 0, 256);
     for (int s = 0; s < 256; s++)
@@ -184,7 +190,7 @@ static void huff_lengths(const uint32_t count[256], uint8_t len[256]) {
         item[0][i] = (int16_t)(keyed[i] & 0xff);
     }
     size[0] = n;
-    for (int level = 1; level < TABLE_BITS; level++) {
+    for (int level = 1; level < CODE_BITS; level++) {
         int packages = size[level - 1] / 2, leaf = 0, pkg = 0, out = 0;
         while (leaf < n || pkg < packages) {
             uint64_t pw = pkg < packages ? weight[level - 1][2 * pkg] +
@@ -202,7 +208,7 @@ static void huff_lengths(const uint32_t count[256], uint8_t len[256]) {
         size[level] = out;
     }
     int take = 2 * n - 2;
-    for (int level = TABLE_BITS - 1; level >= 0 && take > 0; level--) {
+    for (int level = CODE_BITS - 1; level >= 0 && take > 0; level--) {
         int packages = 0;
         for (int i = 0; i < take; i++) {
             if (item[level][i] == PACKAGE)
@@ -222,11 +228,11 @@ static inline uint32_t reverse_bits(uint32_t code, int nbits) {
 
 /* Canonical codes for len (which must satisfy Kraft), bit-reversed for an LSB-first stream. */
 static void canonical_codes(const uint8_t len[256], uint32_t code[256]) {
-    uint32_t per_len[TABLE_BITS + 1] = {0}, next[TABLE_BITS + 1];
+    uint32_t per_len[CODE_BITS + 1] = {0}, next[CODE_BITS + 1];
     for (int s = 0; s < 256; s++) per_len[len[s]]++;
     per_len[0] = 0;
     uint32_t c = 0;
-    for (int l = 1; l <= TABLE_BITS; l++) {
+    for (int l = 1; l <= CODE_BITS; l++) {
         c = (c + per_len[l - 1]) << 1;
         next[l] = c;
     }
@@ -234,7 +240,7 @@ static void canonical_codes(const uint8_t len[256], uint32_t code[256]) {
         code[s] = len[s] ? reverse_bits(next[len[s]]++, len[s]) : 0;
 }
 
-/* Whether lengths (each 0..TABLE_BITS) make a complete prefix code: every TABLE_BITS-bit
+/* Whether lengths (each 0..CODE_BITS) make a complete prefix code: every TABLE_BITS-bit
    window then decodes, and two or more symbols are present. */
 static int lengths_complete(const uint8_t len[256]) {
     uint32_t kraft = 0;
@@ -280,16 +286,43 @@ static uint8_t *encode_stream(const uint8_t *src, size_t n, const uint32_t table
     return dst;
 }
 
+/* The bytes per stream that coding a block's symbols (per-stream counts h) with lengths len
+   takes, and their sum; UINT64_MAX if len lacks a code for a symbol that occurs. */
+static uint64_t coded_size(const uint32_t h[STREAMS][256], const uint8_t len[256],
+                           uint64_t stream_bytes[STREAMS]) {
+    uint64_t sum = 0;
+    for (int s = 0; s < STREAMS; s++) {
+        uint64_t bits = 0;
+        for (int c = 0; c < 256; c++) {
+            if (h[s][c] && !len[c]) return UINT64_MAX;
+            bits += (uint64_t)h[s][c] * len[c];
+        }
+        stream_bytes[s] = (bits + 7) / 8;
+        sum += stream_bytes[s];
+    }
+    return sum;
+}
+
+/* What one plane's code is across blocks: its lengths, once a block has sent them. */
+typedef struct {
+    uint8_t len[256];
+    int sent;
+} plane_code;
+
 /* One plane of one block, stored at dst in the layout the file comment gives (mode first);
-   returns the end. `try_huff` says whether to consider a code at all. */
-static uint8_t *encode_plane(const uint8_t *plane, size_t n, int try_huff, uint8_t *dst) {
+   returns the end. `try_huff` says whether to consider a code at all. A block reuses the code
+   the plane's previous Huffman block sent when that is no larger than sending its own: for
+   i.i.d. data every block after the first does, which spares the decoder a table build. */
+static uint8_t *encode_plane(const uint8_t *plane, size_t n, int try_huff, plane_code *prev,
+                             uint8_t *dst) {
     if (n && try_huff) {
         uint32_t h[STREAMS][256];
         histogram(plane, n, h);
         uint32_t total[256];
         int distinct = 0;
         for (int s = 0; s < 256; s++) {
-            total[s] = h[0][s] + h[1][s] + h[2][s] + h[3][s];
+            total[s] = 0;
+            for (int k = 0; k < STREAMS; k++) total[s] += h[k][s];
             distinct += total[s] != 0;
         }
         if (distinct == 1) {
@@ -302,24 +335,29 @@ static uint8_t *encode_plane(const uint8_t *plane, size_t n, int try_huff, uint8
         int lo = 0, hi = 255;
         while (!len[lo]) lo++;
         while (!len[hi]) hi--;
-        size_t table_bytes = 3 + (size_t)(hi - lo + 2) / 2 + 4 * STREAMS;
-        uint64_t stream_bytes[STREAMS], coded = table_bytes;
-        for (int s = 0; s < STREAMS; s++) {
-            uint64_t bits = 0;
-            for (int c = lo; c <= hi; c++) bits += (uint64_t)h[s][c] * len[c];
-            stream_bytes[s] = (bits + 7) / 8;
-            coded += stream_bytes[s];
-        }
-        if (coded < n + 1) {
+        uint64_t own_bytes[STREAMS], again_bytes[STREAMS];
+        uint64_t own = 3 + (uint64_t)(hi - lo + 2) / 2 + 4 * STREAMS + coded_size(h, len, own_bytes);
+        uint64_t again = prev->sent ? coded_size(h, prev->len, again_bytes) : UINT64_MAX;
+        if (again != UINT64_MAX) again += 1 + 4 * STREAMS;
+        int reuse = again <= own;
+        if ((reuse ? again : own) <= n) {
+            const uint8_t *code_len = reuse ? prev->len : len;
+            const uint64_t *stream_bytes = reuse ? again_bytes : own_bytes;
             uint32_t code[256], table[256];
-            canonical_codes(len, code);
-            for (int s = 0; s < 256; s++) table[s] = code[s] | ((uint32_t)len[s] << 16);
+            canonical_codes(code_len, code);
+            for (int s = 0; s < 256; s++) table[s] = code[s] | ((uint32_t)code_len[s] << 16);
             uint8_t *p = dst;
-            *p++ = MODE_HUFF;
-            *p++ = (uint8_t)lo;
-            *p++ = (uint8_t)hi;
-            for (int c = lo; c <= hi; c += 2)
-                *p++ = (uint8_t)(len[c] | ((c + 1 <= hi ? len[c + 1] : 0) << 4));
+            if (reuse) {
+                *p++ = MODE_HUFF_AGAIN;
+            } else {
+                *p++ = MODE_HUFF;
+                *p++ = (uint8_t)lo;
+                *p++ = (uint8_t)hi;
+                for (int c = lo; c <= hi; c += 2)
+                    *p++ = (uint8_t)(len[c] | ((c + 1 <= hi ? len[c + 1] : 0) << 4));
+                memcpy(prev->len, len, 256);
+                prev->sent = 1;
+            }
             for (int s = 0; s < STREAMS; s++) {
                 store_le32(p, (uint32_t)stream_bytes[s]);
                 p += 4;
@@ -339,8 +377,9 @@ static uint8_t *encode_plane(const uint8_t *plane, size_t n, int try_huff, uint8
 /* ---- decoding ------------------------------------------------------------------------------ */
 
 /* Tables for one code: single-symbol entries (symbol | length << 8) for the careful tail, and
-   multi-symbol entries: up to four symbols in the low 32 bits, the bits they take in bits
-   32-39, their number in bits 40-47. */
+   multi-symbol entries: the bits they take in the low byte (where a shift finds its count, which
+   keeps the lookup-to-lookup dependency short), their number in the next, and up to four
+   symbols in the high 32 bits. */
 typedef struct {
     uint16_t one[TABLE_SIZE];
     uint64_t multi[TABLE_SIZE];
@@ -366,22 +405,27 @@ static void build_decode_table(const uint8_t len[256], decode_table *t) {
             used += l;
             rest >>= l;
         }
-        t->multi[j] = syms | ((uint64_t)used << 32) | ((uint64_t)count << 40);
+        t->multi[j] = used | ((uint64_t)count << 8) | ((uint64_t)syms << 32);
     }
 }
 
-/* One table lookup of a stream whose next bits are in buf (at least TABLE_BITS of them valid)
-   and whose bit position is pos: store the entry's symbols at out (all four bytes; the caller
-   leaves room), then advance out, buf and pos past what the entry decoded. */
-#define LOOKUP(multi, buf, pos, out)                                                             \
+/* One table lookup of a stream whose next bits are in buf (at least TABLE_BITS of them valid):
+   store the entry's symbols at out (all four bytes; the caller leaves room), then advance out
+   and buf past what the entry decoded. */
+#define LOOKUP(multi, buf, out)                                                                  \
     do {                                                                                       \
         uint64_t e_ = (multi)[(buf) & TABLE_MASK];                                             \
-        unsigned nbits_ = (unsigned)(e_ >> 32) & 0xff;                                         \
-        store_le32((out), (uint32_t)e_);                                                       \
-        (out) += (e_ >> 40) & 0xff;                                                            \
-        (buf) >>= nbits_;                                                                      \
-        (pos) += nbits_;                                                                       \
+        (buf) >>= e_ & 63;                                                                     \
+        store_le32((out), (uint32_t)(e_ >> 32));                                               \
+        (out) += (e_ >> 8) & 0xff;                                                             \
     } while (0)
+
+/* The next 64 bits of a stream at bit pos (at least 57 of them valid), with a sentinel bit on
+   top. A round's peeks end by bit LOOKUPS_PER_REFILL * TABLE_BITS <= 57, below the sentinel,
+   and the bits the round consumed are the sentinel's distance from bit 63 (ROUND_BITS): that
+   keeps the bit count out of the per-lookup work. */
+#define REFILL(src, pos) ((load_le64((src) + ((pos) >> 3)) >> ((pos) & 7)) | (1ull << 63))
+#define ROUND_BITS(buf) ((uint64_t)__builtin_clzll(buf))
 
 /* Symbols one refill can decode at most: five lookups of at most four symbols. */
 #define FAST_OUT (ENTRY_SYMS * LOOKUPS_PER_REFILL)
@@ -405,8 +449,9 @@ static int finish_stream(const uint8_t *src, uint64_t pos, const uint8_t *in_end
                          uint8_t *out_end, const decode_table *t) {
     for (size_t rounds; (rounds = safe_rounds(src, pos, in_end, out, out_end));) {
         for (size_t i = 0; i < rounds; i++) {
-            uint64_t buf = load_le64(src + (pos >> 3)) >> (pos & 7);
-            for (int k = 0; k < LOOKUPS_PER_REFILL; k++) LOOKUP(t->multi, buf, pos, out);
+            uint64_t buf = REFILL(src, pos);
+            for (int k = 0; k < LOOKUPS_PER_REFILL; k++) LOOKUP(t->multi, buf, out);
+            pos += ROUND_BITS(buf);
         }
     }
     uint64_t end_bits = (uint64_t)(in_end - src) * 8;
@@ -426,7 +471,7 @@ static int finish_stream(const uint8_t *src, uint64_t pos, const uint8_t *in_end
     return pos % 8 == 0 || (in_end[-1] >> (pos % 8)) == 0;
 }
 
-/* Decode the four streams at src (byte lengths sizes[]) into n symbols at out. The streams
+/* Decode the STREAMS streams at src (byte lengths sizes[]) into n symbols at out. The streams
    advance together, each held in locals, so that their table loads overlap. */
 static int decode_streams(const uint8_t *src, const uint32_t sizes[STREAMS], uint8_t *out,
                           size_t n, const decode_table *t) {
@@ -450,22 +495,23 @@ static int decode_streams(const uint8_t *src, const uint32_t sizes[STREAMS], uin
             rounds = r < rounds ? r : rounds;
         }
         if (!rounds) break;
-        uint64_t p0 = pos[0], p1 = pos[1], p2 = pos[2], p3 = pos[3];
-        uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
+        uint64_t p[STREAMS], b[STREAMS];
+        uint8_t *q[STREAMS];
+#pragma GCC unroll 16
+        for (int s = 0; s < STREAMS; s++) p[s] = pos[s], q[s] = o[s];
         for (size_t i = 0; i < rounds; i++) {
-            uint64_t b0 = load_le64(src + (p0 >> 3)) >> (p0 & 7);
-            uint64_t b1 = load_le64(src + (p1 >> 3)) >> (p1 & 7);
-            uint64_t b2 = load_le64(src + (p2 >> 3)) >> (p2 & 7);
-            uint64_t b3 = load_le64(src + (p3 >> 3)) >> (p3 & 7);
+#pragma GCC unroll 16
+            for (int s = 0; s < STREAMS; s++) b[s] = REFILL(src, p[s]);
+#pragma GCC unroll 8
             for (int k = 0; k < LOOKUPS_PER_REFILL; k++) {
-                LOOKUP(multi, b0, p0, o0);
-                LOOKUP(multi, b1, p1, o1);
-                LOOKUP(multi, b2, p2, o2);
-                LOOKUP(multi, b3, p3, o3);
+#pragma GCC unroll 16
+                for (int s = 0; s < STREAMS; s++) LOOKUP(multi, b[s], q[s]);
             }
+#pragma GCC unroll 16
+            for (int s = 0; s < STREAMS; s++) p[s] += ROUND_BITS(b[s]);
         }
-        pos[0] = p0, pos[1] = p1, pos[2] = p2, pos[3] = p3;
-        o[0] = o0, o[1] = o1, o[2] = o2, o[3] = o3;
+#pragma GCC unroll 16
+        for (int s = 0; s < STREAMS; s++) pos[s] = p[s], o[s] = q[s];
     }
     for (int s = 0; s < STREAMS; s++) {
         const uint8_t *base = s ? in_end[s - 1] : src;
@@ -487,13 +533,21 @@ static inline int take(cursor *c, size_t n, const uint8_t **out) {
     return 1;
 }
 
+/* One plane's decode table across blocks: built by a block that sends a code, used again by
+   the blocks that reuse it. */
+typedef struct {
+    decode_table table;
+    int built;
+} plane_table;
+
 /* One plane of one block from the cursor. A raw plane is pointed at in place; the others are
    written to scratch. Returns 0 on any inconsistency. */
-static int decode_plane(cursor *c, size_t n, uint8_t *scratch, decode_table *t,
+static int decode_plane(cursor *c, size_t n, uint8_t *scratch, plane_table *pt,
                         const uint8_t **plane) {
     const uint8_t *p;
     if (!take(c, 1, &p)) return 0;
-    switch (*p) {
+    int mode = *p;
+    switch (mode) {
     case MODE_RAW:
         return take(c, n, plane);
     case MODE_CONST:
@@ -502,34 +556,39 @@ static int decode_plane(cursor *c, size_t n, uint8_t *scratch, decode_table *t,
         *plane = scratch;
         return 1;
     case MODE_HUFF: {
-        const uint8_t *range, *nibbles, *sizes_at;
+        const uint8_t *range, *nibbles;
         if (!take(c, 2, &range) || range[0] >= range[1]) return 0;
         int lo = range[0], hi = range[1];
         if (!take(c, (size_t)(hi - lo + 2) / 2, &nibbles)) return 0;
         uint8_t len[256] = {0};
         for (int s = lo; s <= hi; s++) {
             len[s] = (nibbles[(s - lo) / 2] >> (4 * ((s - lo) & 1))) & 0xf;
-            if (len[s] > TABLE_BITS) return 0;
+            if (len[s] > CODE_BITS) return 0;
         }
         if ((hi - lo) % 2 == 0 && nibbles[(hi - lo) / 2] >> 4) return 0; /* unused nibble */
         if (!lengths_complete(len)) return 0;
-        if (!take(c, 4 * STREAMS, &sizes_at)) return 0;
-        uint32_t sizes[STREAMS];
-        uint64_t total = 0;
-        for (int s = 0; s < STREAMS; s++) {
-            sizes[s] = load_le32(sizes_at + 4 * s);
-            total += sizes[s];
-        }
-        const uint8_t *streams;
-        if (!take(c, (size_t)total, &streams)) return 0;
-        build_decode_table(len, t);
-        if (!decode_streams(streams, sizes, scratch, n, t)) return 0;
-        *plane = scratch;
-        return 1;
+        build_decode_table(len, &pt->table);
+        pt->built = 1;
+        break;
     }
+    case MODE_HUFF_AGAIN:
+        if (!pt->built) return 0;
+        break;
     default:
         return 0;
     }
+    const uint8_t *sizes_at, *streams;
+    if (!take(c, 4 * STREAMS, &sizes_at)) return 0;
+    uint32_t sizes[STREAMS];
+    uint64_t total = 0;
+    for (int s = 0; s < STREAMS; s++) {
+        sizes[s] = load_le32(sizes_at + 4 * s);
+        total += sizes[s];
+    }
+    if (!take(c, (size_t)total, &streams)) return 0;
+    if (!decode_streams(streams, sizes, scratch, n, &pt->table)) return 0;
+    *plane = scratch;
+    return 1;
 }
 
 /* Ask for transparent huge pages over a fresh output buffer before it is first written: the
@@ -645,12 +704,17 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS;
     prefer_huge_pages(dst, cap);
     uint8_t *planes[MAX_PLANES];
-    for (int k = 0; k < w; k++) planes[k] = scratch + (size_t)k * first;
+    plane_code codes[MAX_PLANES];
+    for (int k = 0; k < w; k++) {
+        planes[k] = scratch + (size_t)k * first;
+        codes[k].sent = 0;
+    }
     const uint8_t *in = raw.buf;
     for (size_t b = 0; b < blocks; b++) {
         size_t count = n - b * block < block ? n - b * block : block;
         split_planes(in + b * block * (size_t)w, count, w, planes);
-        for (int k = 0; k < w; k++) dst = encode_plane(planes[k], count, (mask >> k) & 1, dst);
+        for (int k = 0; k < w; k++)
+            dst = encode_plane(planes[k], count, (mask >> k) & 1, &codes[k], dst);
     }
     Py_END_ALLOW_THREADS;
     free(scratch);
@@ -694,11 +758,11 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     /* Scratch is bounded by raw_len: one block's planes (at most the raw bytes) and a table. */
     PyObject *out = PyByteArray_FromStringAndSize(NULL, raw_len);
     uint8_t *scratch = malloc((size_t)w * first + 1);
-    decode_table *table = malloc(sizeof *table);
-    if (!out || !scratch || !table) {
+    plane_table *tables = calloc((size_t)w, sizeof *tables);
+    if (!out || !scratch || !tables) {
         Py_XDECREF(out);
         free(scratch);
-        free(table);
+        free(tables);
         PyBuffer_Release(&payload);
         return PyErr_NoMemory();
     }
@@ -711,13 +775,13 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     for (size_t b = 0; b < blocks && ok; b++) {
         size_t count = n - b * block < block ? n - b * block : block;
         for (int k = 0; k < w && ok; k++)
-            ok = decode_plane(&c, count, scratch + (size_t)k * first, table, &planes[k]);
+            ok = decode_plane(&c, count, scratch + (size_t)k * first, &tables[k], &planes[k]);
         if (ok) merge_planes(planes, count, w, dst + b * block * (size_t)w);
     }
     if (ok && c.pos != c.end) ok = 0;
     Py_END_ALLOW_THREADS;
     free(scratch);
-    free(table);
+    free(tables);
     PyBuffer_Release(&payload);
     if (!ok) {
         Py_DECREF(out);

@@ -13,8 +13,9 @@ and that byte is still the one worth coding.
 zstd finds little in the exponent plane that Huffman does not (its match finder only wastes
 time there), and a table-driven Huffman decoder runs several times faster than zstd; the byte
 work is a C extension (``_fpcodec.c``) that drops the GIL, because many writer threads encode
-at once. Blocks of ``1 << block_log2`` elements each carry their own code, so decoding needs
-one block of scratch and a damaged block is refused on its own terms.
+at once. Blocks of ``1 << block_log2`` elements each carry a code (or reuse the previous
+block's, when that is no larger), so decoding needs one block of scratch and a damaged block is
+refused on its own terms.
 
 Params: ``format`` (u8, :data:`FORMAT`) and ``block_log2`` (u8).
 """

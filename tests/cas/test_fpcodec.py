@@ -253,6 +253,11 @@ def test_crafted_headers_are_refused(params: bytes, itemsize: int, raw_len: int)
         decode(b"\0" * 64, raw_len, params, itemsize)
 
 
+def stream_sizes(*sizes: int) -> bytes:
+    """A Huffman plane's byte lengths of its eight streams: ``sizes``, then empty ones."""
+    return struct.pack("<8I", *sizes, *[0] * (8 - len(sizes)))
+
+
 def craft(mode_bytes: bytes) -> bytes:
     """A one-block, two-element bf16 payload: the low plane raw, then ``mode_bytes``."""
     return b"\x00" + b"\x11\x22" + mode_bytes
@@ -261,15 +266,16 @@ def craft(mode_bytes: bytes) -> bytes:
 @pytest.mark.parametrize(
     "plane",
     [
-        b"\x03",  # unknown mode
-        b"\x01\x05\x05" + b"\x11" + b"\0" * 16,  # a one-symbol "code"
-        b"\x01\x05\x06" + b"\x22" + b"\0" * 16,  # lengths that are not a complete code
-        b"\x01\x05\x06" + b"\xcc" + b"\0" * 16,  # lengths over the table's 11 bits
-        b"\x01\x05\x06" + b"\x11" + struct.pack("<4I", 1, 0, 0, 0) + b"\x01",  # too few codes
-        b"\x01\x05\x06" + b"\x11" + struct.pack("<4I", 1, 0, 0, 0xFFFFFFFF) + b"\x01",
+        b"\x04",  # unknown mode
+        b"\x03" + stream_sizes(1, 1) + b"\x00\x01",  # "the previous code" in the first block
+        b"\x01\x05\x05" + b"\x11" + b"\0" * 32,  # a one-symbol "code"
+        b"\x01\x05\x06" + b"\x22" + b"\0" * 32,  # lengths that are not a complete code
+        b"\x01\x05\x06" + b"\xcc" + b"\0" * 32,  # lengths over the table's 11 bits
+        b"\x01\x05\x06" + b"\x11" + stream_sizes(1) + b"\x01",  # too few codes
+        b"\x01\x05\x06" + b"\x11" + stream_sizes(1, 0xFFFFFFFF) + b"\x01",
         b"\x02",  # constant without its value
-        b"\x01\x05\x06" + b"\x11" + struct.pack("<4I", 1, 1, 0, 0) + b"\x00\x03",  # pad bits
-        b"\x01\x05\x07" + b"\x11\x10" + struct.pack("<4I", 1, 1, 0, 0) + b"\x00\x01",  # nibble
+        b"\x01\x05\x06" + b"\x11" + stream_sizes(1, 1) + b"\x00\x03",  # pad bits
+        b"\x01\x05\x07" + b"\x11\x10" + stream_sizes(1, 1) + b"\x00\x01",  # nibble
     ],
 )
 def test_crafted_blocks_are_refused(plane: bytes) -> None:
@@ -280,7 +286,7 @@ def test_crafted_blocks_are_refused(plane: bytes) -> None:
 def test_a_crafted_block_that_is_consistent_decodes() -> None:
     # The same layout with a valid two-symbol code: 1 bit per symbol, stream 0 holds symbol 5
     # (code 0), stream 1 symbol 6 (code 1): elements are (0x11, 5), (0x22, 6) before rotation.
-    plane = b"\x01\x05\x06\x11" + struct.pack("<4I", 1, 1, 0, 0) + b"\x00\x01"
+    plane = b"\x01\x05\x06\x11" + stream_sizes(1, 1) + b"\x00\x01"
     out = decode(craft(plane), 4, struct.pack("<BB", 1, BLOCK_LOG2))
     rotated = np.array([0x0511, 0x0622], dtype=np.uint16)
     expected = ((rotated >> 1) | (rotated << 15)).astype(np.uint16)
