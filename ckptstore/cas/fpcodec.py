@@ -39,9 +39,9 @@ else:
     NATIVE_ERROR = None
 
 #: Encoding throughput across the writer's threads, bytes/s, on the 2-core machine this was
-#: measured on (bench/bench_codec.py: one thread 0.7-2.1 GB/s on bf16 and 1.1-2.9 GB/s on fp32,
-#: depending on the load); what the auto policy weighs against a store's bandwidth
-#: (ckptstore.cas.codec.min_gain). zstd's is 1 GB/s.
+#: measured on (bench/bench_codec.py, one thread, 256 MiB tensors: 1.5-2.1 GB/s on bf16, 2.0-3.0
+#: on fp16 and fp32, about half that when other processes load the machine); what the auto
+#: policy weighs against a store's bandwidth (ckptstore.cas.codec.min_gain). zstd's is 1 GB/s.
 BYTES_PER_S = 2.5e9
 #: Payload layout version in the params; a decoder refuses any other.
 FORMAT = 1

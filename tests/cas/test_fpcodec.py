@@ -118,6 +118,23 @@ def test_lengths_around_the_streams_and_blocks(dtype: torch.dtype, count: int) -
     assert bytes(out) == bytes(raw)
 
 
+def test_blocks_whose_exponents_differ_get_their_own_codes() -> None:
+    # A block may reuse the previous block's code only if that code covers its symbols; these
+    # blocks' exponents barely overlap, and a constant block sits between them.
+    g = torch.Generator().manual_seed(5)
+    parts = [
+        torch.randn(BLOCK, generator=g) * 0.02,
+        torch.randn(BLOCK, generator=g) * 300.0,
+        torch.full((BLOCK,), 3.0),
+        torch.randn(BLOCK // 3, generator=g) * 1e-30,
+    ]
+    t = torch.cat(parts).to(torch.bfloat16)
+    raw = as_bytes(t)
+    out, stored = round_trip(raw, 2)
+    assert bytes(out) == bytes(raw)
+    assert raw.nbytes / stored > 1.4
+
+
 @pytest.mark.parametrize("value", [0.0, -0.0, 1.0, float("nan")])
 def test_all_equal_tensors_shrink_to_almost_nothing(value: float) -> None:
     t = torch.full((COUNT,), value, dtype=torch.bfloat16)
