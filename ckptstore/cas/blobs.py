@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -201,18 +201,22 @@ def get_blob(
 def read_into(
     store: ObjectStore,
     digest: str,
-    targets: Sequence[tuple[int, memoryview]],
+    targets: Sequence[tuple[int, int]],
+    destination: Callable[[int], memoryview],
     *,
     context: str = "",
     max_raw_len: int = MAX_RAW_LEN,
 ) -> Header | None:
-    """Read a raw-coded blob straight into ``targets`` -- (offset in the blob, destination)
-    pairs -- verifying its digest over every byte as the pieces arrive: one pass over the
-    memory, no intermediate buffer. Bytes no target wants are read into a small scratch buffer
-    (they are hashed too). Returns the header; None, having read at most the header, if the
-    store does not read in pieces (:class:`RandomAccess`), the blob is not stored raw, or the
-    targets overlap other than exactly: the caller then uses :func:`get_blob`. If this raises,
-    the destinations hold unverified bytes: discard them.
+    """Read a raw-coded blob straight into its destinations, verifying its digest over every
+    byte as the pieces arrive: one pass over the memory, no intermediate buffer.
+
+    ``targets`` are (offset, length) ranges of the blob; ``destination(i)`` is the buffer of
+    ``targets[i]``'s length its bytes go to, asked for only once every range is known to lie
+    inside the blob (so a crafted index allocates nothing). Bytes no target wants are read into
+    a small scratch buffer (they are hashed too). Returns the header; None, having read at most
+    the header, if the store does not read in pieces (:class:`RandomAccess`), the blob is not
+    stored raw, or the targets overlap other than exactly: the caller then uses
+    :func:`get_blob`. If this raises, the destinations hold unverified bytes: discard them.
     """
     if not isinstance(store, RandomAccess):
         return None
@@ -232,51 +236,56 @@ def read_into(
         if plan is None:
             return None
         fills, copies = plan
+        views = {i: destination(i) for i, (_, length) in enumerate(targets) if length}
         hasher = StreamingDigest()
         scratch = memoryview(bytearray(min(READ_PIECE, header.raw_len)))
-        for offset, length, view in fills:
+        for offset, length, target in fills:
+            view = scratch if target is None else views[target]
             for start in range(0, length, READ_PIECE):
                 n = min(READ_PIECE, length - start)
-                piece = scratch[:n] if view is None else view[start : start + n]
+                piece = view[:n] if target is None else view[start : start + n]
                 reader.read_into(header.size + offset + start, piece)
                 hasher.update(piece)
         actual = hasher.result()
         if actual != digest:
             raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")
-        for dest, source in copies:
-            dest[:] = source
+        for target, holder, at in copies:
+            views[target][:] = views[holder][at : at + targets[target][1]]
         return header
 
 
-#: One read of :func:`read_into`: (offset in the blob, length, destination or None for the
-#: scratch buffer).
-_Fill = tuple[int, int, memoryview | None]
+#: One read of :func:`read_into`: (offset in the blob, length, the target it fills or None
+#: for the scratch buffer).
+_Fill = tuple[int, int, int | None]
+#: A target filled from another's bytes once verified: (target, holder, offset in the holder).
+_Copy = tuple[int, int, int]
 
 
 def _read_plan(
-    targets: Sequence[tuple[int, memoryview]], raw_len: int, where: str
-) -> tuple[list[_Fill], list[tuple[memoryview, memoryview]]] | None:
-    """The reads that cover ``[0, raw_len)`` in order, each into its target or (bytes no
-    target wants) the scratch buffer, and the copies that fill targets repeating bytes an
-    earlier target holds (equal tensors stored once). None if targets partly overlap."""
+    targets: Sequence[tuple[int, int]], raw_len: int, where: str
+) -> tuple[list[_Fill], list[_Copy]] | None:
+    """The reads that cover ``[0, raw_len)`` in order, each into a target or (bytes no target
+    wants) the scratch buffer, and the copies that fill targets repeating bytes an earlier
+    target holds (equal tensors stored once). None if targets partly overlap."""
     fills: list[_Fill] = []
-    copies: list[tuple[memoryview, memoryview]] = []
+    copies: list[_Copy] = []
     cursor = 0
-    for offset, view in sorted(targets, key=lambda t: (t[0], -t[1].nbytes)):
-        end = offset + view.nbytes
-        if end > raw_len:
+    for i in sorted(range(len(targets)), key=lambda i: (targets[i][0], -targets[i][1])):
+        offset, length = targets[i]
+        end = offset + length
+        if offset < 0 or length < 0 or end > raw_len:
             raise IntegrityError(f"{where}: an entry points past the end of the blob")
-        if not view.nbytes:
+        if not length:
             continue
         if offset < cursor:
             holder = next((f for f in reversed(fills) if f[2] is not None and f[0] <= offset), None)
             if holder is None or holder[2] is None or end > holder[0] + holder[1]:
                 return None
-            copies.append((view, holder[2][offset - holder[0] : end - holder[0]]))
+            copies.append((i, holder[2], offset - holder[0]))
             continue
         if offset > cursor:
             fills.append((cursor, offset - cursor, None))
-        fills.append((offset, view.nbytes, view))
+        fills.append((offset, length, i))
         cursor = end
     if cursor < raw_len:
         fills.append((cursor, raw_len - cursor, None))

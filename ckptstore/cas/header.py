@@ -6,7 +6,8 @@ blob is aligned for any dtype when read into memory::
     magic      4s   b"CKPB"
     version    u8   2
     kind       u8   0 chunk, 1 pack, 2 index
-    codec      u8   the codec's id (ckptstore.cas.codecs): 0 raw, 1 zstd, 2 byte-grouped zstd
+    codec      u8   the codec's id (ckptstore.cas.codecs): 0 raw, 1 zstd, 2 byte-grouped zstd,
+                    3 fphuff (exponent planes Huffman-coded)
     itemsize   u8   element size the codec grouped bytes by (1 otherwise)
     raw_len    u64  length of the raw bytes the digest covers
     stored_len u64  length of the payload that follows the header

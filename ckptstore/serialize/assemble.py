@@ -151,8 +151,14 @@ def load_entries(
         blob_context = with_context(context, f"entry {paths}")
         targets = by_blob[digest]
         bound = max_blob_len((chosen[t.entry].path, t.offset, t.length) for t in targets)
-        dests = [(t.offset, assembler.destination(t, blob_context)) for t in targets]
-        header = read_into(store, digest, dests, context=blob_context, max_raw_len=bound)
+        header = read_into(
+            store,
+            digest,
+            [(t.offset, t.length) for t in targets],
+            lambda i: assembler.destination(targets[i], blob_context),
+            context=blob_context,
+            max_raw_len=bound,
+        )
         if header is None:
             header, raw = get_blob(store, digest, context=blob_context, max_raw_len=bound)
             assembler.place(digest, raw, targets, blob_context)

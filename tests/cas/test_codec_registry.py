@@ -12,7 +12,7 @@ import torch
 from component_helpers import random_bytes, save
 
 from ckptstore.cas import BlobWriter, Kind, WriterOptions, blob_key, codecs, get_blob
-from ckptstore.cas.codec import BGZSTD, RAW, ZSTD, encode
+from ckptstore.cas.codec import BGZSTD, FPHUFF, RAW, ZSTD, encode
 from ckptstore.cas.codecs import Encoded
 from ckptstore.errors import ConfigError, IntegrityError
 from ckptstore.objectstore import LocalStore
@@ -60,12 +60,13 @@ def reversing() -> Iterator[codecs.Codec]:
 def test_builtin_codecs_keep_their_header_ids_and_manifest_names() -> None:
     # The ids are in every stored blob's header, the names in every manifest's blobs.codec
     # column (what the enum's ``name.lower()`` gave): neither may ever change.
-    assert {c.id: c.name for c in (RAW, ZSTD, BGZSTD)} == {0: "raw", 1: "zstd", 2: "bgzstd"}
-    for codec in (RAW, ZSTD, BGZSTD):
+    builtins = (RAW, ZSTD, BGZSTD, FPHUFF)
+    assert {c.id: c.name for c in builtins} == {0: "raw", 1: "zstd", 2: "bgzstd", 3: "fphuff"}
+    for codec in builtins:
         assert codecs.by_id(codec.id) is codec
         assert codecs.by_name(codec.name) is codec
         assert isinstance(codec, codecs.Codec)
-    assert codecs.registered()[:3] == (RAW, BGZSTD, ZSTD)
+    assert codecs.registered()[:4] == (RAW, FPHUFF, BGZSTD, ZSTD)
 
 
 def test_a_new_codec_is_one_object_and_one_register_call(
