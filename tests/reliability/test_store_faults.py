@@ -46,8 +46,11 @@ RETRY = RetryPolicy(max_attempts=8, base_delay=0.001, max_delay=0.02)
 #: Socket timeouts for the faulty store: a ``hang`` costs one read timeout per attempt.
 READ_TIMEOUT = 0.5
 CONNECT_TIMEOUT = 1.0
-#: Multipart above 5 MiB in 5 MiB parts (S3's minimum), so a 6 MiB tensor goes up in two parts.
+#: Multipart above 5 MiB in 5 MiB parts (S3's minimum), so the 8 MiB tensor goes up in two parts.
 MULTIPART = {"multipart_threshold": 5 * MiB, "part_size": 5 * MiB}
+#: float32 elements of the multipart tensor: 8 MiB, still above the threshold once compressed
+#: (the auto policy codes a slow store's floats: randn's exponents save about a sixth).
+BIG = (8 * MiB) // 4
 
 #: A component identical in every checkpoint: later saves find its blob already stored.
 FROZEN = torch.randn(4096, generator=torch.Generator().manual_seed(7))
@@ -214,8 +217,9 @@ def test_stress_many_saves_through_faults_with_multipart_blobs(
     seaweed_store_factory: S3StoreFactory,
     reliability_report: Any,
 ) -> None:
-    """60 saves at 10% faults; every 6th also holds a 6 MiB tensor, uploaded in two parts
-    (the multipart threshold lowered to S3's minimum part size)."""
+    """60 saves at 10% faults; every 6th also holds an 8 MiB tensor (about 6.7 MiB once the
+    float codec has coded its exponents), uploaded in two parts (the multipart threshold
+    lowered to S3's minimum part size)."""
     figures = torture_saves(
         db=db_path,
         proxy=proxy,
@@ -224,7 +228,7 @@ def test_stress_many_saves_through_faults_with_multipart_blobs(
         steps=60,
         rate=0.10,
         big_every=6,
-        big=(6 * MiB) // 4,
+        big=BIG,
     )
     reliability_report.add("store faults", **figures)
     assert figures["lost"] == 0
@@ -553,11 +557,11 @@ def test_a_fault_at_each_multipart_stage_is_absorbed(
     seaweed_store_factory: S3StoreFactory,
     reliability_report: Any,
 ) -> None:
-    """A 6 MiB tensor goes up in two parts; one request of ``stage`` gets the fault (a
+    """An 8 MiB tensor goes up in two parts; one request of ``stage`` gets the fault (a
     ``truncate`` of an answer with no body, e.g. a part's, loses the answer: ``reset_after``).
     The save commits, the object is complete, and it loads back exactly."""
     store = faulty_store(**MULTIPART)
-    want = state(1, big=(6 * MiB) // 4)
+    want = state(1, big=BIG)
     with open_run("multipart", db=db_path, store=store) as run:
         proxy.configure(rate=1.0, kinds=[kind], match=MULTIPART_STAGES[stage], max_faults=1)
         info = run.save(1, want).wait()
