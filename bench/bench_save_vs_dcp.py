@@ -244,7 +244,10 @@ def main() -> None:
     print(f"save: ckptstore / best peer ({best}) = {ours / median(results[best]):.2f}x")
     del state
     if args.bf16_gib > 0:
-        bf16 = {"model": {k: v.bfloat16() for k, v in transformer_state(args.bf16_gib).items()}}
+        # transformer_state sizes fp32 bytes: twice the GiB give --bf16-gib of bf16.
+        weights = transformer_state(2 * args.bf16_gib)
+        bf16 = {"model": {k: v.bfloat16() for k, v in weights.items()}}
+        del weights
         bf16_size = nbytes(bf16)
         bf16_peers: dict[str, Callable[[State, Path], None]] = {
             "safetensors save_file + fsync": save_safetensors,
