@@ -114,7 +114,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{'yes' if row['met'] else 'NO':<4} {row['other_cpu']:>5.0%}  {row['peer']}"
         )
     met = sum(bool(row["met"]) for row in rows)
-    print(f"\n{met} of {len(rows)} goals met in this run (units: s seconds, M MiB or MB/s, C CPU-s/GiB)")
+    units = "s seconds, M MiB or MB/s, C CPU-s/GiB"
+    print(f"\n{met} of {len(rows)} goals met in this run (units: {units})")
 
 
 def main() -> int:
