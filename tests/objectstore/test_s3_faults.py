@@ -582,7 +582,12 @@ class FaultyProxy:
                 pass
 
             def do_GET(self) -> None:
-                proxy._forward(self)
+                try:
+                    proxy._forward(self)
+                except (ConnectionError, TimeoutError):
+                    # The client gave up (its read timed out on a stalled reply): nobody is
+                    # left to answer, and a traceback from this thread would only be noise.
+                    self.close_connection = True
 
             do_PUT = do_POST = do_HEAD = do_DELETE = do_GET
 
