@@ -23,8 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-import numpy as np
-
 from ckptstore.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
 from ckptstore.names import printable
 from ckptstore.objectstore.base import (
@@ -36,6 +34,7 @@ from ckptstore.objectstore.base import (
     as_parts,
     check_key,
     clip_range,
+    uninitialized,
 )
 from ckptstore.objectstore.registry import StoreURL
 
@@ -188,10 +187,7 @@ class LocalStore(ObjectStore):
     def get_view(self, key: str) -> memoryview:
         """The object's bytes as a read-only view, without a copy where the backend allows."""
         with self._open(key) as f:
-            # numpy.empty leaves the pages untouched: reading into them is the first touch,
-            # where a bytearray would zero-fill the whole object first.
-            buf = np.empty(os.fstat(f.fileno()).st_size, dtype=np.uint8)
-            view = memoryview(buf.data)
+            view = uninitialized(os.fstat(f.fileno()).st_size)
             self._read_into(f.fileno(), view, 0, key)
             return view
 

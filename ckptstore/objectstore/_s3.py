@@ -23,7 +23,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import boto3
 import botocore.exceptions as bexc
-import numpy as np
 from botocore.config import Config
 from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
@@ -38,6 +37,7 @@ from ckptstore.objectstore.base import (
     check_key,
     clip_range,
     parts_size,
+    uninitialized,
 )
 from ckptstore.objectstore.registry import StoreURL
 from ckptstore.objectstore.remote import Failure, Kind, RemoteCaller
@@ -368,7 +368,7 @@ class S3Store(ObjectStore):
         """The whole object, read straight into a buffer that is never zero-filled (the read is
         the first touch of its pages)."""
         full = self._key(key)
-        return self._call("reading", key, lambda: self._fetch(key, full, None, _uninitialized))
+        return self._call("reading", key, lambda: self._fetch(key, full, None, uninitialized))
 
     def _fetch(
         self,
@@ -565,11 +565,6 @@ class _PartsReader(io.RawIOBase):
         pieces = _slice_parts(self._parts, self._pos, min(self._size, self._pos + size))
         self._pos += sum(p.nbytes for p in pieces)
         return b"".join(pieces)
-
-
-def _uninitialized(size: int) -> memoryview:
-    """A writable buffer of ``size`` bytes whose pages are not touched until written."""
-    return memoryview(np.empty(size, dtype=np.uint8).data)
 
 
 def _slice_parts(parts: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:

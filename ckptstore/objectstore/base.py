@@ -78,6 +78,15 @@ def clip_range(byte_range: tuple[int, int] | None, size: int) -> tuple[int, int]
     return min(start, size), min(stop, size)
 
 
+def uninitialized(size: int) -> memoryview:
+    """A writable buffer of ``size`` bytes whose pages are not touched until written: a read
+    into it is their first touch, where a ``bytearray`` would zero-fill them all first.
+    Raises MemoryError or ValueError for a size that cannot be had."""
+    import numpy as np  # here: the read-only CLI imports this module and must not load numpy
+
+    return memoryview(np.empty(size, dtype=np.uint8).data)
+
+
 def parts_size(parts: Sequence[memoryview]) -> int:
     """Total bytes of ``data`` (bytes-like or a sequence of parts)."""
     return sum(p.nbytes for p in parts)

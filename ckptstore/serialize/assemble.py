@@ -24,7 +24,7 @@ import torch
 from ckptstore.cas.blobs import get_blob, read_into
 from ckptstore.cas.header import Kind
 from ckptstore.errors import IntegrityError
-from ckptstore.objectstore.base import ObjectStore
+from ckptstore.objectstore.base import ObjectStore, uninitialized
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry
 
@@ -97,7 +97,7 @@ def _allocate(nbytes: int, where: str) -> memoryview:
     """An uninitialized buffer (every byte is written before use; zero-filling would only
     cost a second pass over the memory)."""
     try:
-        return memoryview(np.empty(nbytes, dtype=np.uint8).data)
+        return uninitialized(nbytes)
     except (MemoryError, ValueError):
         raise IntegrityError(
             f"{where}: cannot allocate {nbytes} bytes for an entry (a corrupt index, or too "
