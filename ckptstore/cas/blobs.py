@@ -240,10 +240,9 @@ def read_into(
         hasher = StreamingDigest()
         scratch = memoryview(bytearray(min(READ_PIECE, header.raw_len)))
         for offset, length, target in fills:
-            view = scratch if target is None else views[target]
             for start in range(0, length, READ_PIECE):
                 n = min(READ_PIECE, length - start)
-                piece = view[:n] if target is None else view[start : start + n]
+                piece = scratch[:n] if target is None else views[target][start : start + n]
                 reader.read_into(header.size + offset + start, piece)
                 hasher.update(piece)
         actual = hasher.result()
@@ -278,10 +277,13 @@ def _read_plan(
         if not length:
             continue
         if offset < cursor:
-            holder = next((f for f in reversed(fills) if f[2] is not None and f[0] <= offset), None)
-            if holder is None or holder[2] is None or end > holder[0] + holder[1]:
+            # The last target read at or before ``offset`` is the only one that can hold it.
+            held = next(
+                ((o, n, t) for o, n, t in reversed(fills) if t is not None and o <= offset), None
+            )
+            if held is None or end > held[0] + held[1]:
                 return None
-            copies.append((i, holder[2], offset - holder[0]))
+            copies.append((i, held[2], offset - held[0]))
             continue
         if offset > cursor:
             fills.append((cursor, offset - cursor, None))
