@@ -9,6 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from component_helpers import save
 
 from ckptstore.cas import Kind, blob_key, put_blob
 from ckptstore.cas.blobs import READ_PIECE, MissingBlobError, get_blob, read_into
@@ -18,6 +20,7 @@ from ckptstore.cas.header import Header
 from ckptstore.errors import IntegrityError
 from ckptstore.objectstore import LocalStore
 from ckptstore.objectstore.base import RandomAccess
+from ckptstore.serialize import load_component, load_paths
 
 RAW_ONLY = float("inf")  # compression threshold no codec meets
 
@@ -116,3 +119,41 @@ def test_what_it_cannot_read_in_place_is_left_to_get_blob(store: LocalStore) -> 
     assert get_blob(store, ref.digest)[1] == compressible
     digest = stored(store, random_bytes(1000))
     assert read(store, digest, (0, bytearray(100)), (50, bytearray(100))) is None
+
+
+class NoWholeReads(LocalStore):
+    """A real LocalStore that refuses to hand out whole objects other than ``allowed`` (the
+    index): a load that works through it read every data blob in place (``open_reader``)."""
+
+    def __init__(self, root: Path, allowed: set[str]) -> None:
+        super().__init__(root, fsync=False)
+        self.allowed = allowed
+
+    def get_view(self, key: str) -> memoryview:
+        assert key in self.allowed, f"{key} was read whole"
+        return super().get_view(key)
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        assert key in self.allowed, f"{key} was read whole"
+        return super().get(key, byte_range)
+
+
+def test_a_component_loads_from_a_local_store_without_whole_object_reads(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(3 * READ_PIECE // 4 + 5, generator=g)  # several chunks, a ragged tail
+    state = {
+        "big": big,
+        "same": big.clone(),  # stored once: filled by a copy after verification
+        "small": {f"b{i}": torch.randn(7, generator=g) for i in range(5)},  # one pack
+        "step": 3,
+    }
+    result = save(LocalStore(tmp_path / "store", fsync=False), state, chunk_bytes=READ_PIECE)
+    store = NoWholeReads(tmp_path / "store", {blob_key(result.index_digest)})
+    loaded = load_component(store, result.index_digest)
+    assert torch.equal(loaded["big"], big)
+    assert torch.equal(loaded["same"], big)
+    assert loaded["big"].data_ptr() != loaded["same"].data_ptr()
+    assert all(torch.equal(loaded["small"][k], v) for k, v in state["small"].items())
+    assert loaded["step"] == 3
+    part = load_paths(store, result.index_digest, ["small/b3"])
+    assert torch.equal(part["small/b3"], state["small"]["b3"])
