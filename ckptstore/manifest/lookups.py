@@ -191,7 +191,7 @@ def committed_at_step(conn: Connection | Session, run_id: int, step: int) -> Row
 
 
 def with_components(
-    conn: Connection, query: Select[Any], run: str | None = None
+    conn: Connection | Session, query: Select[Any], run: str | None = None
 ) -> list[CheckpointInfo]:
     """The checkpoints ``query`` selects as records with their components: two statements,
     however many checkpoints. ``query`` selects rows of ``checkpoints`` of the run named
@@ -211,7 +211,7 @@ def with_components(
 
 
 def components_of(
-    conn: Connection, checkpoint_ids: Sequence[int] | Select[Any]
+    conn: Connection | Session, checkpoint_ids: Sequence[int] | Select[Any]
 ) -> dict[int, list[ComponentInfo]]:
     """The components of the checkpoints (ids, or a statement selecting them), by name."""
     query = (

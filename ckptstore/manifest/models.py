@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 from sqlalchemy import (
@@ -27,8 +26,6 @@ from sqlalchemy import (
     true,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-
-from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo
 
 # The enums live in their own module, without the ORM, for the readers that must not import
 # it; they are re-exported here, where the constraints that check them are declared.
@@ -85,20 +82,6 @@ class RunRow(Base):
     metric_name: Mapped[str | None] = mapped_column(String(255))
     higher_is_better: Mapped[bool] = mapped_column(default=True, server_default=true())
 
-    def to_record(self) -> RunInfo:
-        """The public record of this row."""
-        return RunInfo(
-            id=self.id,
-            name=self.name,
-            created_at=self.created_at,
-            config=self.config,
-            config_fingerprint=self.config_fingerprint,
-            parent_checkpoint_id=self.parent_checkpoint_id,
-            writer_epoch=self.writer_epoch,
-            metric_name=self.metric_name,
-            higher_is_better=self.higher_is_better,
-        )
-
 
 class CheckpointRow(Base):
     """A row of ``checkpoints``."""
@@ -128,28 +111,6 @@ class CheckpointRow(Base):
     #: Why the save failed or the checkpoint was marked corrupt.
     error: Mapped[str | None] = mapped_column(Text)
 
-    def to_record(self, run: str, components: Iterable[ComponentRow] = ()) -> CheckpointInfo:
-        """The public record of this row, with its run's name and its components."""
-        return CheckpointInfo(
-            id=self.id,
-            run=run,
-            step=self.step,
-            status=self.status,
-            trigger=self.trigger,
-            writer_epoch=self.writer_epoch,
-            created_at=self.created_at,
-            committed_at=self.committed_at,
-            training_info=self.training_info,
-            metrics=self.metrics,
-            logical_bytes=self.logical_bytes,
-            stored_bytes=self.stored_bytes,
-            uploaded_bytes=self.uploaded_bytes,
-            save_seconds=self.save_seconds,
-            blocked_seconds=self.blocked_seconds,
-            error=self.error,
-            components=tuple(c.to_record() for c in components),
-        )
-
 
 class ComponentRow(Base):
     """A row of ``components``."""
@@ -165,17 +126,6 @@ class ComponentRow(Base):
     logical_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     stored_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     entries: Mapped[int] = mapped_column(Integer, default=0)
-
-    def to_record(self) -> ComponentInfo:
-        """The public record of this row."""
-        return ComponentInfo(
-            name=self.name,
-            kind=self.kind,
-            index_digest=self.index_digest,
-            logical_bytes=self.logical_bytes,
-            stored_bytes=self.stored_bytes,
-            entries=self.entries,
-        )
 
 
 class BlobRow(Base):

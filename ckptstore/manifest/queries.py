@@ -343,14 +343,6 @@ def finish_commit(session: Session, checkpoint_id: int, values: dict[str, Any]) 
     )
 
 
-def checkpoints_of(
-    session: Session, run_id: int, statuses: Sequence[str] | None = None
-) -> list[CheckpointRow]:
-    """A run's checkpoint rows (optionally only some statuses), oldest first."""
-    query = select(CheckpointRow).from_statement(lookups.of_run(run_id, statuses))
-    return list(session.scalars(query))
-
-
 def live_digests_to_reuse(session: Session, run_id: int) -> set[str]:
     """The live blobs a new save of ``run_id`` most likely shares, in one statement: those of
     its newest committed checkpoint (for a run with none yet, of the checkpoint it was forked

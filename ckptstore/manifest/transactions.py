@@ -16,6 +16,7 @@ from sqlalchemy.exc import IntegrityError as SQLIntegrityError
 from sqlalchemy.orm import Session
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
+from ckptstore.manifest import lookups
 from ckptstore.manifest import queries as q
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import BlobState, Status
@@ -178,8 +179,8 @@ def apply_retention(db: Database, run_id: int, epoch: int, choose: ChooseDoomed)
 
     def transaction(session: Session) -> list[int]:
         run = q.lock_run(session, run_id, epoch)
-        rows = q.checkpoints_of(session, run_id, [Status.COMMITTED])
-        doomed = sorted(set(choose([row.to_record(run.name) for row in rows])))
+        committed = lookups.of_run(run_id, [Status.COMMITTED])
+        doomed = sorted(set(choose(lookups.with_components(session, committed, run.name))))
         q.mark_deleted(session, doomed)
         return doomed
 
