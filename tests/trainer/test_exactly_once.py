@@ -71,6 +71,9 @@ def _resume(root: Path, sampler: str, from_step: int) -> dict[int, list[int]]:
 
 
 KILL_CHILD = Path(__file__).with_name("kill_child.py")
+#: kill_child.py's line, matched anywhere in a line: it is printed from the save thread, so it
+#: can land after the training loop's half-written line (print writes text and newline apart).
+KILL_POINT = r"KILL-POINT step \d+:"
 
 
 def _command(root: Path, sampler: str, backend: str, *pause: str, steps: int = STEPS) -> list[str]:
@@ -152,14 +155,14 @@ def _check_budget(root: Path, sampler: str, expected: dict[int, list[int]]) -> N
 
 def _check_kill_after_commit(root: Path, sampler: str, expected: dict[int, list[int]]) -> None:
     # Killed once step 2's checkpoint is committed (training has gone on meanwhile).
-    _kill_at(root, _command(root, sampler, "local", "after_commit", "2"), r"^KILL-POINT")
+    _kill_at(root, _command(root, sampler, "local", "after_commit", "2"), KILL_POINT)
     _assert_same(expected, _resume(root, sampler, from_step=2))
 
 
 def _check_kill_during_save(root: Path, sampler: str, expected: dict[int, list[int]]) -> None:
     # Killed with step 4's objects uploaded and its row pending: it never becomes visible,
     # and the run resumes from step 2.
-    _kill_at(root, _command(root, sampler, "local", "during_save", "4"), r"^KILL-POINT")
+    _kill_at(root, _command(root, sampler, "local", "during_save", "4"), KILL_POINT)
     _assert_same(expected, _resume(root, sampler, from_step=2))
 
 
