@@ -119,7 +119,7 @@ class HostBuffers:
         ``keep_buffers``."""
         if self.keep_buffers:
             return
-        for mapping in self._mappings.values():
+        for mapping in list(self._mappings.values()):  # clear() may run on another thread
             mapping.madvise(mmap.MADV_FREE)
 
     def clear(self) -> None:

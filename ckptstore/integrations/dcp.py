@@ -374,6 +374,7 @@ def save(
 
     def settle(done: ConcurrentFuture[Any]) -> None:
         error = done.exception()
+        stager.release()  # stored (or failed): the snapshot's memory may go
         if error is None:
             result.set_result(writer.committed)
         elif isinstance(error, CheckpointException):

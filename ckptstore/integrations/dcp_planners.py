@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import threading
+from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import Future as ConcurrentFuture
 from typing import Any
@@ -83,13 +84,16 @@ class SnapshotStager(AsyncStager):
     a snapshot is a memcpy into memory that is already mapped.
 
     The buffers are reused, so wait for one async save to finish before staging the next
-    (:func:`save` with ``async_save=True`` does). ``close()`` releases them.
+    (:func:`save` with ``async_save=True`` does). Once a save is stored, :func:`save` calls
+    :meth:`release`: by default the buffers' memory goes back to the kernel lazily, as a run's
+    snapshot buffers do (``keep_buffers=True`` keeps them resident: faster, a second copy of
+    the state held between saves). ``close()`` drops them.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
-        self._buffers = HostBuffers()
+    def __init__(self, *, keep_buffers: bool = False) -> None:
+        self._buffers = HostBuffers(keep_buffers=keep_buffers)
         self._lock = threading.Lock()
         #: The upload of the last staged save, set by :func:`save`.
         self.in_flight: ConcurrentFuture[Any] | None = None
@@ -110,8 +114,14 @@ class SnapshotStager(AsyncStager):
         """Nothing to wait for: ``stage`` returns once the copies are done."""
         return None
 
+    def release(self) -> None:
+        """The last staged save is stored: its buffers' memory may go back to the kernel (see
+        :meth:`HostBuffers.release`). Called before that save's future is settled, so the next
+        ``stage`` (which waits for the future) never writes into buffers being handed back."""
+        self._buffers.release()
+
     def close(self) -> None:
-        """Release the buffers."""
+        """Drop the buffers."""
         with self._lock:
             self._buffers.clear()
 
@@ -129,10 +139,21 @@ class SnapshotStager(AsyncStager):
         if isinstance(value, torch.Tensor):
             return self._buffers.copy(path, value)[0]
         if isinstance(value, Mapping):
-            return type(value)(  # type: ignore[call-arg]
-                {k: self._copy(v, f"{path}/{k}") for k, v in value.items()}
-            )
+            return _same_kind(value, {k: self._copy(v, f"{path}/{k}") for k, v in value.items()})
         if isinstance(value, list | tuple):
             items = [self._copy(v, f"{path}/{i}") for i, v in enumerate(value)]
             return items if isinstance(value, list) else tuple(items)
         return copy.deepcopy(value)
+
+
+def _same_kind(original: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
+    """``items`` in a mapping of ``original``'s type where one can be made (an OrderedDict, a
+    defaultdict with its factory); a plain dict otherwise."""
+    if type(original) is dict:
+        return items
+    if isinstance(original, defaultdict):
+        return type(original)(original.default_factory, items)
+    try:
+        return type(original)(items)  # type: ignore[call-arg]
+    except TypeError:
+        return items

@@ -17,6 +17,7 @@ import base64
 import json
 import math
 import pickle
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -545,6 +546,61 @@ def test_stager_reuses_its_buffers_and_copies() -> None:
         assert second["nested"]["y"].data_ptr() == pointer
         assert torch.equal(second["nested"]["y"], torch.full((2, 3), 7.0))
         assert torch.equal(second["x"], torch.zeros(4))
+    finally:
+        stager.close()
+
+
+def lazily_freed_bytes() -> int:
+    """Memory this process has handed back with ``MADV_FREE`` that the kernel has not taken."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("LazyFree:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@SINGLE_PROCESS
+@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep_buffers"])
+def test_async_save_hands_the_staged_memory_back_once_stored(run: Run, keep: bool) -> None:
+    size = 32 << 20
+    stager = SnapshotStager(keep_buffers=keep)
+    try:
+        before = lazily_freed_bytes()
+        first = ckpt_dcp.save({"w": torch.ones(size // 4)}, run, 1, async_save=True, stager=stager)
+        assert isinstance(first, Future)
+        first.result(timeout=60)
+        handed_back = lazily_freed_bytes() - before
+        if keep:
+            assert handed_back < size // 2
+        else:
+            assert handed_back >= 0.9 * size
+        # The next save writes into the same buffers again, whether or not the kernel took them.
+        second = ckpt_dcp.save(
+            {"w": torch.full((size // 4,), 2.0)}, run, 2, async_save=True, stager=stager
+        )
+        assert isinstance(second, Future)
+        second.result(timeout=60)
+    finally:
+        stager.close()
+    target = {"w": torch.zeros(size // 4)}
+    ckpt_dcp.load(target, run, 1)
+    assert torch.equal(target["w"], torch.ones(size // 4))
+    ckpt_dcp.load(target, run, 2)
+    assert torch.equal(target["w"], torch.full((size // 4,), 2.0))
+
+
+def test_stager_keeps_the_mapping_types() -> None:
+    stager = SnapshotStager()
+    try:
+        counts: defaultdict[str, list[int]] = defaultdict(list, {"a": [1]})
+        ordered = OrderedDict([("z", torch.ones(2)), ("a", torch.zeros(2))])
+        staged = stager.stage({"counts": counts, "ordered": ordered})
+        assert type(staged["counts"]) is defaultdict
+        assert staged["counts"].default_factory is list
+        assert staged["counts"] == {"a": [1]}
+        assert type(staged["ordered"]) is OrderedDict
+        assert list(staged["ordered"]) == ["z", "a"]
+        assert torch.equal(staged["ordered"]["z"], torch.ones(2))
     finally:
         stager.close()
 
