@@ -18,6 +18,12 @@ timed call; the files were fsynced, so the pages are clean and really go).
 
 Goals (issue 13): hot <= 1.0x the faster mmap loader, evicted <= 1.0x dcp.load.
 
+Beside them, the floor of a verified load: **BLAKE3 over every byte** of the state already in
+memory, on as many threads as there are CPUs (each tensor hashed on one thread, the GIL
+released), timed like the loads. A load that checks every byte's digest cannot take less; on a
+machine where this floor exceeds the mmap loaders' time, the hot goal cannot be met without
+skipping verification. Printed, and written to ``--json`` as an information row.
+
 Run: ``.venv/bin/python bench/bench_load.py [--weights-gib 1] [--reps 3] [--json PATH]``.
 """
 
@@ -31,9 +37,11 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -52,6 +60,7 @@ DCP = "dcp.load (FileSystemReader)"
 TORCH_MMAP = "torch.load(mmap) + read all"
 ST_MMAP = "safetensors load_file + read all"
 MMAP_LOADERS = (TORCH_MMAP, ST_MMAP)
+FLOOR = "BLAKE3 of every byte in memory"
 
 
 def read_every_byte(state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -62,6 +71,17 @@ def read_every_byte(state: dict[str, dict[str, torch.Tensor]]) -> None:
             if flat.numel() % 8 == 0:
                 flat = flat.view(torch.int64)
             flat.sum()
+
+
+def hash_every_byte(state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """BLAKE3 over every tensor's bytes, a tensor per thread, one thread per CPU."""
+    tensors = [t for part in state.values() for t in part.values()]
+
+    def digest(tensor: torch.Tensor) -> bytes:
+        return blake3.blake3(tensor.reshape(-1).view(torch.uint8).numpy(), max_threads=1).digest()
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(digest, tensors))
 
 
 def files_of(root: Path) -> Iterator[Path]:
@@ -173,6 +193,7 @@ def main() -> None:
     print(f"state: {size / GiB:.2f} GiB fp32 (weights + AdamW moments); reps {args.reps}; medians")
     names = [OURS, DCP, TORCH_MMAP, ST_MMAP]
     rows = {(cache, n): Row(f"load {cache}", n) for cache in ("hot", "evicted") for n in names}
+    floor = Row("floor", FLOOR)
     contenders = Contenders(state, where)
     try:
         for name in names:  # untimed first call each: imports, first-use set-up
@@ -191,6 +212,7 @@ def main() -> None:
                         contenders.load(name)()  # bring its files into the page cache
                     result = timed("warm", rows[cache, name], contenders.load(name))
                     del result
+            timed("warm", floor, lambda: hash_every_byte(state))
     finally:
         contenders.close()
         shutil.rmtree(where, ignore_errors=True)
@@ -198,12 +220,12 @@ def main() -> None:
     print()
     header = f"{'op':<13} {'contender':<36} {'median s':>8} {'GB/s':>6} {'CPU-s':>6}"
     print(f"{header} {'other%':>6}  runs")
-    for (cache, name), row in rows.items():
+    for row in [*rows.values(), floor]:
         runs = " ".join(f"{t:.3f}" for t in row.times)
         other = f"{100 * max(row.foreign):5.0f}%" if row.foreign else "   n/a"
         cpu = sorted(row.cpu)[len(row.cpu) // 2]
         print(
-            f"load {cache:<8} {name:<36} {row.median:8.3f} {size / row.median / 1e9:6.2f} "
+            f"{row.op:<13} {row.contender:<36} {row.median:8.3f} {size / row.median / 1e9:6.2f} "
             f"{cpu:6.2f} {other}  {runs}"
         )
     hot_peer = min(MMAP_LOADERS, key=lambda n: rows["hot", n].median)
@@ -228,6 +250,24 @@ def main() -> None:
                 "met": ours <= theirs,
             }
         )
+    theirs = rows["hot", hot_peer].median
+    print(
+        f"{FLOOR} ({os.cpu_count()} threads): {floor.median:.3f} s = "
+        f"{floor.median / theirs:.2f}x {hot_peer} (a verified load cannot take less)"
+    )
+    out.insert(
+        1,
+        {
+            "work": f"floor: BLAKE3 of every byte in memory, {os.cpu_count()} threads",
+            "ours": floor.median,
+            "peer": hot_peer,
+            "peer_value": theirs,
+            "unit": "s",
+            "ratio": floor.median / theirs,
+            "goal": "info",
+            "met": None,
+        },
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

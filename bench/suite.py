@@ -111,11 +111,19 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['work'][:64]:<64} {row['ours']:>9.3g}{unit[:1]} {row['peer_value']:>9.3g}"
             f"{unit[:1]} {row['ratio']:>6.2f}x  {row['goal']:<16} "
-            f"{'yes' if row['met'] else 'NO':<4} {row['other_cpu']:>5.0%}  {row['peer']}"
+            f"{verdict(row['met']):<4} {row['other_cpu']:>5.0%}  {row['peer']}"
         )
-    met = sum(bool(row["met"]) for row in rows)
+    goals = [row for row in rows if row["met"] is not None]
+    met = sum(bool(row["met"]) for row in goals)
     units = "s seconds, M MiB or MB/s, C CPU-s/GiB"
-    print(f"\n{met} of {len(rows)} goals met in this run (units: {units})")
+    print(f"\n{met} of {len(goals)} goals met in this run (units: {units})")
+    if len(goals) < len(rows):
+        print("rows marked 'info' are floors measured beside a goal, not goals")
+
+
+def verdict(met: bool | None) -> str:
+    """A goal row's verdict; None marks an information row (a floor, not a goal)."""
+    return "info" if met is None else "yes" if met else "NO"
 
 
 def main() -> int:
