@@ -138,10 +138,11 @@ def newest_committed_id(run_id: int) -> ScalarSelect[Any]:
 
 
 def of_run(run_id: int, statuses: Sequence[str] | None = None) -> Select[Any]:
-    """The rows of a run's checkpoints (optionally only some statuses), oldest first."""
+    """The rows of a run's checkpoints, oldest first: all of them (``statuses`` None) or those
+    in ``statuses`` (none for an empty sequence)."""
     query = select(checkpoints).where(checkpoints.c.run_id == run_id)
-    if statuses:
-        query = query.where(checkpoints.c.status.in_(statuses))
+    if statuses is not None:
+        query = query.where(checkpoints.c.status.in_(list(statuses)))
     return query.order_by(checkpoints.c.step, checkpoints.c.id)
 
 

@@ -16,7 +16,7 @@ from sqlalchemy import BigInteger, Float, Integer, String, Text, select
 from sqlalchemy.types import NullType
 
 from ckptstore import RetentionPolicy, open_run
-from ckptstore.manifest import Database, lookups, models, reads
+from ckptstore.manifest import Database, lookups, models, reads, reports
 from ckptstore.manifest import queries as q
 from ckptstore.manifest import transactions as tx
 from ckptstore.manifest.models import (
@@ -138,6 +138,12 @@ def test_lookups_give_the_records_the_orm_rows_give(db_url: str, store: LocalSto
         assert reads.checkpoints(db, run_record) == expected
         committed = [c for c in expected if c.status == Status.COMMITTED]
         assert reads.checkpoints(db, run_record, [Status.COMMITTED]) == committed
+        assert reads.checkpoints(db, run_record, []) == []  # no status asked for: none
+        losses = reports.metric_points(db, run_id, "loss")
+        assert [(p.step, p.status) for p in losses] == [
+            (c.step, c.status) for c in expected if c.status in ("committed", "deleted")
+        ]
+        assert reports.metric_points(db, run_id, "loss", statuses=()) == []
         assert reads.latest(db, run_record) == committed[-1]
         assert reads.newest_committed(db, run_record, before_step=3) == committed[-2]
         assert reads.committed_at(db, run_record, committed[0].step) == committed[0]
