@@ -83,7 +83,11 @@ def put_blob(
     digest: str | None = None,
     skip_existing: bool = True,
 ) -> BlobRef:
-    """Hash, encode and store ``raw`` unless the store already has it."""
+    """Hash, encode and store ``raw`` unless the store already has it.
+
+    ``skip_existing``: ask the store first, and neither encode nor send a blob it has. Without
+    it the blob is encoded and put; a store that already had it keeps its own object (``put``
+    never overwrites), which is then reported as not uploaded, with its stored size."""
     view = memoryview(raw).cast("B")
     digest = digest or digest_bytes(view)
     key = blob_key(digest)
@@ -98,15 +102,18 @@ def put_blob(
     header, payload = encode_object(
         view, digest, kind, itemsize=itemsize, float_like=float_like, threshold=threshold
     )
-    created = store.put(key, [header.encode(), *payload])
-    return BlobRef(
-        digest,
-        kind,
-        header.codec.name,
-        view.nbytes,
-        header.size + header.stored_len,
-        uploaded=created,
-    )
+    if store.put(key, [header.encode(), *payload]):
+        return BlobRef(
+            digest,
+            kind,
+            header.codec.name,
+            view.nbytes,
+            header.size + header.stored_len,
+            uploaded=True,
+        )
+    # Stored already (by another writer, maybe encoded otherwise): that object is the one kept.
+    store.adopt(key)
+    return BlobRef(digest, kind, None, view.nbytes, store.head(key).size, uploaded=False)
 
 
 def decode_object(

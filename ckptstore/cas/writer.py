@@ -82,7 +82,9 @@ class BlobWriter:
     """Stores blobs into ``store`` in parallel. Thread-safe; close it when done.
 
     ``known`` may say that a digest is already stored (a manifest's live blobs); such blobs
-    are neither probed nor uploaded. Without it, a HEAD request decides.
+    are neither probed nor uploaded. Other blobs are probed first (a HEAD request decides),
+    except, with ``known``, on a store that does not want new blobs probed
+    (:attr:`ObjectStore.probe_new_blobs`): there they are sent straight away.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class BlobWriter:
             codec.Compression.parse(self.options.compression), store.write_bandwidth_hint
         )
         self._known = known
+        self._probe = known is None or store.probe_new_blobs
         self._budget = _ByteBudget(self.options.max_inflight_bytes)
         self._pool = ThreadPoolExecutor(self.options.workers(), thread_name_prefix="ckpt-blob")
         self._lock = threading.Lock()
@@ -152,6 +155,7 @@ class BlobWriter:
                     float_like=float_like,
                     threshold=self._threshold,
                     digest=digest,
+                    skip_existing=self._probe,
                 )
         except BaseException as exc:
             with self._lock:

@@ -146,6 +146,7 @@ class S3Store(ObjectStore):
 
     write_bandwidth_hint = 1.5e8
     read_concurrency = 16
+    probe_new_blobs = False  # a HEAD per new blob; put() never overwrites by itself
 
     def __init__(
         self,

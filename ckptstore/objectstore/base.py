@@ -124,6 +124,12 @@ class ObjectStore(abc.ABC):
     #: How many reads to run at once when loading. Reads from a local page cache are CPU work
     #: (copies, page faults), so more threads than cores only contend; network reads wait.
     read_concurrency: int = 8
+    #: Whether a writer that has no list of the blobs already stored asks the store before
+    #: encoding and sending each new one. False where asking costs a request and :meth:`put`
+    #: refuses to overwrite by itself (S3's conditional PUT): a writer that knows the live
+    #: blobs (a run's, from its manifest) then sends each new one straight away, and the rare
+    #: blob already stored (left by a failed save) is refused and reported as not uploaded.
+    probe_new_blobs: bool = True
 
     @property
     @abc.abstractmethod

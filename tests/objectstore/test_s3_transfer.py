@@ -8,11 +8,14 @@ the store's client, with moto answering in-process.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from botocore.awsrequest import AWSPreparedRequest
 
+from ckptstore import ShardWriter, open_run
 from ckptstore.cas import Kind, WriterOptions, put_blob
 from ckptstore.cas.blobs import get_blob
 from ckptstore.cas.digest import blob_key
@@ -187,3 +190,77 @@ def test_a_body_corrupted_on_its_way_up_is_stored_but_caught_on_read(
     store.client.meta.events.unregister("before-send.s3.PutObject", flip_a_bit)
     with pytest.raises(IntegrityError, match="corrupt"):
         get_blob(store, ref.digest)
+
+
+# -- requests per blob ------------------------------------------------------------------------
+
+
+class Requests:
+    """Counts the requests a store sends for blob objects, by operation."""
+
+    def __init__(self, store: S3Store) -> None:
+        self.seen: list[str] = []
+        store.client.meta.events.register("before-send.s3", self)
+
+    def __call__(self, request: AWSPreparedRequest, event_name: str, **kwargs: Any) -> None:
+        if "/cas/" in request.url:
+            self.seen.append(event_name.rsplit(".", 1)[1])
+
+    def count(self, operation: str) -> int:
+        return self.seen.count(operation)
+
+
+def weights(seed: int) -> dict[str, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {"model": {f"w{i}": torch.randn(300_000, generator=gen) for i in range(3)}}
+
+
+def test_a_run_sends_new_blobs_without_asking_the_store_first(
+    factory: S3StoreFactory, tmp_path: Path
+) -> None:
+    # The run knows its live blobs from the manifest, and a PUT never overwrites on S3: a HEAD
+    # before each new blob would be one more request for every blob of every save.
+    store = factory()
+    with open_run("r", db=tmp_path / "m.db", store=store, async_save=False) as run:
+        requests = Requests(store)
+        first = run.save(1, weights(1)).wait()
+        sent = requests.count("PutObject")
+        assert sent >= 3  # three 1.2 MB tensors, each a blob of its own, and the index
+        assert first.uploaded_bytes == first.stored_bytes
+        # The commit checks that every new blob exists (one HEAD each); nothing asks before.
+        assert requests.count("HeadObject") == sent
+        second = run.save(2, weights(1)).wait()  # the same state: every blob is live
+        assert requests.count("PutObject") == sent
+        assert second.uploaded_bytes == 0
+
+
+def test_a_blob_already_stored_but_not_live_is_refused_and_counted_as_kept(
+    factory: S3StoreFactory, tmp_path: Path
+) -> None:
+    # A failed save can leave blobs that no checkpoint references; the next save's PUT of the
+    # same bytes is refused (If-None-Match) and the object already there is the one kept.
+    store = factory()
+    state = weights(2)
+    with open_run("r", db=tmp_path / "m.db", store=store, async_save=False) as run:
+        tensor = state["model"]["w0"]
+        orphan = put_blob(store, tensor.numpy().view("uint8").reshape(-1), Kind.CHUNK)
+        assert orphan.uploaded
+        info = run.save(1, state).wait()
+        assert info.status == "committed"
+        assert 0 < info.uploaded_bytes < info.stored_bytes
+        assert info.stored_bytes - info.uploaded_bytes == orphan.stored_bytes
+        loaded = run.load(1).state["model"]
+    assert all(torch.equal(loaded[k], state["model"][k]) for k in state["model"])
+
+
+def test_a_shard_writer_without_a_manifest_still_asks_first(factory: S3StoreFactory) -> None:
+    # Without the live blobs it can only learn what is stored by asking: an unchanged blob of
+    # the next save is found by a HEAD, not sent again.
+    store = factory()
+    with ShardWriter(store) as writer:
+        requests = Requests(store)
+        writer.save({"policy": weights(3)}).receipts()
+        sent = requests.count("PutObject")
+        assert sent >= 3
+        writer.save({"policy": weights(3)}).receipts()
+        assert requests.count("PutObject") == sent
