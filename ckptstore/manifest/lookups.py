@@ -194,11 +194,20 @@ def committed_at_step(conn: Connection | Session, run_id: int, step: int) -> Row
 def with_components(
     conn: Connection | Session, query: Select[Any], run: str | None = None
 ) -> list[CheckpointInfo]:
-    """The checkpoints ``query`` selects as records with their components: two statements,
-    however many checkpoints. ``query`` selects rows of ``checkpoints`` of the run named
-    ``run``, or, without ``run``, also each one's run name as ``run_name``."""
+    """The checkpoints ``query`` selects as records with their components: two statements
+    (more only past :data:`IDS_PER_STATEMENT` checkpoints). ``query`` selects rows of
+    ``checkpoints`` of the run named ``run``, or, without ``run``, also each one's run name as
+    ``run_name``.
+
+    The second statement asks for the components of the ids the first one returned, never
+    runs ``query`` again: on PostgreSQL each statement of a transaction sees the commits made
+    before it started, so a query run twice ("the newest committed checkpoint") can select a
+    checkpoint committed in between, whose components would not be the first row's."""
     rows = _execute(conn, query)
-    found = components_of(conn, query.with_only_columns(checkpoints.c.id)) if rows else {}
+    ids = [row.id for row in rows]
+    found: dict[int, list[ComponentInfo]] = {}
+    for start in range(0, len(ids), IDS_PER_STATEMENT):
+        found.update(components_of(conn, ids[start : start + IDS_PER_STATEMENT]))
     return [
         _record(
             CheckpointInfo,
@@ -211,10 +220,14 @@ def with_components(
     ]
 
 
+#: Checkpoint ids bound in one statement (SQLite allows 32,766 parameters).
+IDS_PER_STATEMENT = 10_000
+
+
 def components_of(
-    conn: Connection | Session, checkpoint_ids: Sequence[int] | Select[Any]
+    conn: Connection | Session, checkpoint_ids: Sequence[int]
 ) -> dict[int, list[ComponentInfo]]:
-    """The components of the checkpoints (ids, or a statement selecting them), by name."""
+    """The components of the checkpoints with these ids, each checkpoint's by name."""
     query = (
         select(components)
         .where(components.c.checkpoint_id.in_(checkpoint_ids))

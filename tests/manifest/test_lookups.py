@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 import torch
-from sqlalchemy import BigInteger, Float, Integer, String, Text, select
+from sqlalchemy import BigInteger, Float, Integer, String, Text, event, select
 from sqlalchemy.types import NullType
 
 from ckptstore import RetentionPolicy, open_run
@@ -161,3 +161,32 @@ def test_lookups_give_the_records_the_orm_rows_give(db_url: str, store: LocalSto
             assert row.parent_checkpoint_id == q.committed_at_step(session, parent.id, 1).id
     finally:
         db.close()
+
+
+def test_a_checkpoint_committed_between_a_lookups_statements_does_not_mix_in(
+    db_url: str, store: LocalStore
+) -> None:
+    # with_components reads the checkpoints, then their components. On PostgreSQL the second
+    # statement sees commits made after the first: it must ask for the first one's ids, not
+    # run "the newest committed" again (which then names the new checkpoint, and the first
+    # row came back with no components: a resume that loads an empty state).
+    with open_run("r", db=db_url, store=store, async_save=False) as writer:
+        writer.save(1, {"model": {"w": torch.ones(2)}, "optim": {"lr": 0.1}})
+        run_key = (writer.id, "r")
+        reader = Database(db_url)
+        fired: list[int] = []
+
+        def commit_another(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if not fired and "FROM checkpoints" in statement:
+                fired.append(writer.save(2, {"model": {"w": torch.zeros(2)}}).wait().step)
+
+        event.listen(reader.engine, "after_cursor_execute", commit_another)
+        try:
+            found = reads.newest_committed(reader, run_key)
+        finally:
+            event.remove(reader.engine, "after_cursor_execute", commit_another)
+            reader.close()
+    assert fired == [2]
+    assert found is not None
+    assert found.step == 1
+    assert [c.name for c in found.components] == ["model", "optim"]
