@@ -87,7 +87,9 @@ def put_blob(
 
     ``skip_existing``: ask the store first, and neither encode nor send a blob it has. Without
     it the blob is encoded and put; a store that already had it keeps its own object (``put``
-    never overwrites), which is then reported as not uploaded, with its stored size."""
+    never overwrites), reported as not uploaded. Its size is then the one this write would
+    have stored: a commit checks every blob that is not live in the store anyway, and records
+    the size it finds there (and refuses the commit if the object has gone since)."""
     view = memoryview(raw).cast("B")
     digest = digest or digest_bytes(view)
     key = blob_key(digest)
@@ -102,18 +104,17 @@ def put_blob(
     header, payload = encode_object(
         view, digest, kind, itemsize=itemsize, float_like=float_like, threshold=threshold
     )
-    if store.put(key, [header.encode(), *payload]):
-        return BlobRef(
-            digest,
-            kind,
-            header.codec.name,
-            view.nbytes,
-            header.size + header.stored_len,
-            uploaded=True,
-        )
-    # Stored already (by another writer, maybe encoded otherwise): that object is the one kept.
-    store.adopt(key)
-    return BlobRef(digest, kind, None, view.nbytes, store.head(key).size, uploaded=False)
+    created = store.put(key, [header.encode(), *payload])
+    if not created:
+        store.adopt(key)  # another writer's object, kept: this save flushes it too
+    return BlobRef(
+        digest,
+        kind,
+        header.codec.name if created else None,
+        view.nbytes,
+        header.size + header.stored_len,
+        uploaded=created,
+    )
 
 
 def decode_object(
