@@ -74,7 +74,8 @@ def make_state(step: int, *, big: bool = False) -> dict[str, Any]:
 
     ``frozen`` is the same at every step and ``cycle`` repeats every 3 steps (with
     ``keep_latest_k=2`` a new checkpoint reuses a blob that only a deleted one referenced).
-    ``big`` adds a 6 MiB tensor (multipart uploads on S3).
+    ``big`` adds an 8 MiB fp32 tensor: a multipart upload on S3 even once the float codec has
+    shrunk it (to about 6.7 MiB, over the 5 MiB threshold the crash tests set).
     """
     model: dict[str, Any] = {
         "w": _randn(10 * step + 1, 1024).reshape(32, 32),
@@ -84,7 +85,7 @@ def make_state(step: int, *, big: bool = False) -> dict[str, Any]:
         "layers": [_randn(10 * step + 3, 8), _randn(10 * step + 4, 300, torch.bfloat16)],
     }
     if big:
-        model["big"] = _randn(10 * step + 5, 3 * MiB // 2)
+        model["big"] = _randn(10 * step + 5, 2 * MiB)
     return {
         "model": model,
         "optim": {

@@ -95,7 +95,7 @@ POINTS = [
     # LocalStore: the temp file complete, not yet linked / linked, directory not fsynced.
     Point("put.before-link.chunk", PENDING, backends=("local",)),
     Point("put.after-link.chunk", PENDING, backends=("local",)),
-    # S3 multipart: killed while the second part of a 6 MiB object is being uploaded.
+    # S3 multipart: killed while the second part of an 8 MiB object is being uploaded.
     Point("put.part2", PENDING, backends=("s3",), big=True),
     # Between uploads: the second object stored, the next not started.
     Point("put.after", PENDING, nth=2),
@@ -563,7 +563,7 @@ def test_kill_point_postgresql_seaweedfs(
 def test_gc_aborts_the_multipart_upload_of_a_killed_writer_after_the_grace(
     zygote: Zygote, s3_pg_target: Target
 ) -> None:
-    """Killed while uploading part 2 of a 6 MiB object: the multipart upload stays open (its
+    """Killed while uploading part 2 of an 8 MiB object: the multipart upload stays open (its
     parts cost storage); GC leaves it while younger than the grace and aborts it after."""
     point = Point("put.part2", PENDING, big=True)
     status = zygote.wait(zygote.start(s3_pg_target.job(point)))
