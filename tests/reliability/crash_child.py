@@ -53,6 +53,8 @@ from ckptstore.objectstore import _s3 as s3_module
 MiB = 1 << 20
 #: Tensors of 1 KiB and more get chunk blobs of their own; smaller values go into packs.
 OPTIONS = WriterOptions(pack_threshold=1024, max_workers=2)
+#: Multipart threshold and part size of the S3 stores of jobs that test multipart uploads.
+MULTIPART_BYTES = 5 * MiB
 #: Retention deletes on every commit: the 2 newest committed checkpoints survive.
 RETENTION = RetentionPolicy(keep_top_k=0, keep_latest_k=2)
 FAST_RETRY = RetryPolicy(max_attempts=3, base_delay=0.001, max_delay=0.01)
@@ -118,7 +120,7 @@ def open_job_store(spec: dict[str, Any]) -> ObjectStore:
         return LocalStore(spec["root"], fsync=False)
     options: dict[str, Any] = {"endpoint_url": spec["endpoint_url"], "retry": FAST_RETRY}
     if spec.get("multipart"):
-        options.update(multipart_threshold=5 * MiB, part_size=5 * MiB)
+        options.update(multipart_threshold=MULTIPART_BYTES, part_size=MULTIPART_BYTES)
     return S3Store(spec["bucket"], spec["prefix"], **options)
 
 

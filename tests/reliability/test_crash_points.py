@@ -37,14 +37,16 @@ from typing import IO, Any
 
 import pytest
 import torch
-from crash_child import EXIT_NOT_REACHED, OPTIONS, RETENTION, make_state
+from crash_child import EXIT_NOT_REACHED, MULTIPART_BYTES, OPTIONS, RETENTION, make_state
 from sqlalchemy import select
 
 from ckptstore import open_run
-from ckptstore.cas.digest import digest_from_key
+from ckptstore.cas import Kind, codec
+from ckptstore.cas.blobs import encode_object
+from ckptstore.cas.digest import digest_bytes, digest_from_key
 from ckptstore.maintenance import collect_garbage, verify
 from ckptstore.manifest.models import BlobRow
-from ckptstore.objectstore import LocalStore, ObjectStore
+from ckptstore.objectstore import LocalStore, ObjectStore, S3Store
 from ckptstore.objectstore.base import TMP_PREFIX
 
 CHILD = Path(__file__).with_name("crash_child.py")
@@ -542,6 +544,22 @@ def test_gc_sweeps_temp_files_of_a_killed_writer_after_the_grace(
         swept = collect_garbage(run.db, run.store, grace=dt.timedelta(hours=1))
     assert (swept.incomplete, swept.incomplete_bytes) == (len(temps), size)
     assert local_target.leftovers() == []
+
+
+def test_the_big_tensor_is_a_multipart_upload_of_two_parts_or_more() -> None:
+    # The put.part2 kill points (stress tier) need the big tensor stored as a multipart upload
+    # of at least two parts after the codec an S3 save uses has shrunk it; when a codec got
+    # better, a smaller tensor fell under the threshold and those tests failed with "the kill
+    # point was never reached". This default-run check says why, at once.
+    big = make_state(4, big=True)["model"]["big"]
+    raw = memoryview(big.reshape(-1).view(torch.uint8).numpy())
+    threshold = codec.min_gain(
+        codec.Compression.parse(OPTIONS.compression), S3Store.write_bandwidth_hint
+    )
+    header, _ = encode_object(
+        raw, digest_bytes(raw), Kind.CHUNK, itemsize=4, float_like=True, threshold=threshold
+    )
+    assert header.size + header.stored_len > MULTIPART_BYTES
 
 
 # -- stress tier -------------------------------------------------------------------------------
