@@ -35,6 +35,10 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
+#: Values bound in one ``IN (...)`` list: statements over many ids or digests go in batches
+#: (SQLite refuses more than 32,766 parameters in one statement).
+BATCH = 500
+
 #: The columns whose driver values SQLAlchemy converts: SQLite returns JSON and times as text
 #: and booleans as integers. Every other column comes back as the driver gives it.
 _TYPES: dict[str, Any] = {
@@ -195,7 +199,7 @@ def with_components(
     conn: Connection | Session, query: Select[Any], run: str | None = None
 ) -> list[CheckpointInfo]:
     """The checkpoints ``query`` selects as records with their components: two statements
-    (more only past :data:`IDS_PER_STATEMENT` checkpoints). ``query`` selects rows of
+    (more only past :data:`BATCH` checkpoints). ``query`` selects rows of
     ``checkpoints`` of the run named ``run``, or, without ``run``, also each one's run name as
     ``run_name``.
 
@@ -204,10 +208,7 @@ def with_components(
     before it started, so a query run twice ("the newest committed checkpoint") can select a
     checkpoint committed in between, whose components would not be the first row's."""
     rows = _execute(conn, query)
-    ids = [row.id for row in rows]
-    found: dict[int, list[ComponentInfo]] = {}
-    for start in range(0, len(ids), IDS_PER_STATEMENT):
-        found.update(components_of(conn, ids[start : start + IDS_PER_STATEMENT]))
+    found = components_of(conn, [row.id for row in rows])
     return [
         _record(
             CheckpointInfo,
@@ -220,22 +221,20 @@ def with_components(
     ]
 
 
-#: Checkpoint ids bound in one statement (SQLite allows 32,766 parameters).
-IDS_PER_STATEMENT = 10_000
-
-
 def components_of(
     conn: Connection | Session, checkpoint_ids: Sequence[int]
 ) -> dict[int, list[ComponentInfo]]:
-    """The components of the checkpoints with these ids, each checkpoint's by name."""
-    query = (
-        select(components)
-        .where(components.c.checkpoint_id.in_(checkpoint_ids))
-        .order_by(components.c.checkpoint_id, components.c.name)
-    )
+    """The components of the checkpoints with these ids, each checkpoint's by name (one
+    statement per :data:`BATCH` ids)."""
     found: dict[int, list[ComponentInfo]] = {}
-    for row in _execute(conn, query):
-        found.setdefault(row.checkpoint_id, []).append(_record(ComponentInfo, components, row))
+    for i in range(0, len(checkpoint_ids), BATCH):
+        query = (
+            select(components)
+            .where(components.c.checkpoint_id.in_(checkpoint_ids[i : i + BATCH]))
+            .order_by(components.c.checkpoint_id, components.c.name)
+        )
+        for row in _execute(conn, query):
+            found.setdefault(row.checkpoint_id, []).append(_record(ComponentInfo, components, row))
     return found
 
 

@@ -34,7 +34,6 @@ from ckptstore.manifest.records import BlobClaim, ComponentInfo
 #: PostgreSQL advisory lock: commits hold it shared, a GC sweep exclusively, so a sweep never
 #: deletes a blob that a commit is claiming. (SQLite writers are serialized anyway.)
 GC_LOCK_KEY = 0x636B7067  # "ckpg"
-_BATCH = 500
 
 
 def find_run(session: Session, name: str) -> RunRow | None:
@@ -174,13 +173,13 @@ def mark_corrupt(session: Session, checkpoint_id: int, reason: str, digests: Ite
 def corrupt_referencing(session: Session, digests: Sequence[str]) -> list[int]:
     """Ids of corrupt checkpoints that reference any of ``digests``."""
     found: set[int] = set()
-    for i in range(0, len(digests), _BATCH):
+    for i in range(0, len(digests), lookups.BATCH):
         found.update(
             session.scalars(
                 select(CheckpointBlobRow.checkpoint_id)
                 .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
                 .where(
-                    CheckpointBlobRow.digest.in_(digests[i : i + _BATCH]),
+                    CheckpointBlobRow.digest.in_(digests[i : i + lookups.BATCH]),
                     CheckpointRow.status == Status.CORRUPT,
                 )
             )
@@ -210,10 +209,10 @@ def restore_committed(session: Session, checkpoint_id: int, digests: Sequence[st
     if len(rows) != len(set(digests)):
         return None
     now = utcnow()
-    for i in range(0, len(digests), _BATCH):
+    for i in range(0, len(digests), lookups.BATCH):
         session.execute(
             update(BlobRow)
-            .where(BlobRow.digest.in_(digests[i : i + _BATCH]))
+            .where(BlobRow.digest.in_(digests[i : i + lookups.BATCH]))
             .values(state=BlobState.LIVE, condemned_at=None, last_claimed_at=now)
         )
     newer = session.scalar(
@@ -265,8 +264,8 @@ def blob_rows(session: Session, digests: Sequence[str], *, lock: bool = True) ->
     """Rows of ``digests``, whatever their state (locked for update on PostgreSQL unless ``lock``
     is False)."""
     found: dict[str, BlobRow] = {}
-    for i in range(0, len(digests), _BATCH):
-        chunk = digests[i : i + _BATCH]
+    for i in range(0, len(digests), lookups.BATCH):
+        chunk = digests[i : i + lookups.BATCH]
         query = select(BlobRow).where(BlobRow.digest.in_(chunk))
         rows = session.scalars(query.with_for_update() if lock else query)
         found.update((row.digest, row) for row in rows)
@@ -297,10 +296,10 @@ def record_blobs(session: Session, checkpoint_id: int, claims: Iterable[BlobClai
         # the same weights): its row wins, and is claimed below like any existing one.
         session.execute(insert_ignoring_duplicates(session, BlobRow), new_rows)
     digests = list(unique)
-    for i in range(0, len(digests), _BATCH):
+    for i in range(0, len(digests), lookups.BATCH):
         session.execute(
             update(BlobRow)
-            .where(BlobRow.digest.in_(digests[i : i + _BATCH]))
+            .where(BlobRow.digest.in_(digests[i : i + lookups.BATCH]))
             .values(last_claimed_at=now, state=BlobState.LIVE)
         )
     if unique:
@@ -374,11 +373,12 @@ def checkpoint_digests(session: Session, checkpoint_id: int, *, limit: int) -> l
 def mark_deleted(session: Session, ids: Iterable[int]) -> None:
     """Mark committed checkpoints deleted (retention)."""
     ids = list(ids)
-    for i in range(0, len(ids), _BATCH):
+    for i in range(0, len(ids), lookups.BATCH):
         session.execute(
             update(CheckpointRow)
             .where(
-                CheckpointRow.id.in_(ids[i : i + _BATCH]), CheckpointRow.status == Status.COMMITTED
+                CheckpointRow.id.in_(ids[i : i + lookups.BATCH]),
+                CheckpointRow.status == Status.COMMITTED,
             )
             .values(status=Status.DELETED)
         )

@@ -153,6 +153,11 @@ def test_lookups_give_the_records_the_orm_rows_give(db_url: str, store: LocalSto
         assert reads.targets(db, run="r", step=4, status="corrupt") == [
             c for c in expected if c.status == Status.CORRUPT
         ]
+        with db.connect() as conn:  # ids past the first batch are asked for too
+            ids = [*range(10**9, 10**9 + 2 * lookups.BATCH), committed[0].id]
+            assert lookups.components_of(conn, ids) == {
+                committed[0].id: list(committed[0].components)
+            }
         with db.read() as session:  # the writers' sessions get the same records and rows
             assert lookups.with_components(session, lookups.of_run(run_id), "r") == expected
             assert q.committed_at_step(session, run_id, 1).id == committed[0].id
