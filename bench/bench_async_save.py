@@ -60,6 +60,7 @@ from bench_store import cpu_seconds, state_bytes, transformer_state, warm_memory
 
 from ckptstore import ObjectStore, S3Store, ShardWriter, open_run  # noqa: E402
 from ckptstore.objectstore import LocalStore  # noqa: E402
+from ckptstore.testing.memory import held_and_lazily_freed  # noqa: E402
 
 MiB = 1 << 20
 GOAL = 1.5
@@ -141,13 +142,7 @@ def state_of_at_least(nbytes: float) -> dict[str, torch.Tensor]:
 
 def held_memory() -> int:
     """Resident memory the kernel cannot take back at will: Rss minus LazyFree."""
-    fields = {}
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if value.strip().endswith("kB"):
-                fields[name] = int(value.split()[0]) * 1024
-    return fields["Rss"] - fields.get("LazyFree", 0)
+    return held_and_lazily_freed()[0]
 
 
 class MemoryPeak:

@@ -5,6 +5,8 @@
   subclass. It needs pytest.
 - :mod:`ckptstore.testing.factories`: store factories over a fresh location (a directory, a
   bucket prefix) and small helpers; no pytest needed.
+- :mod:`ckptstore.testing.memory`: the process's held and lazily freed memory, as the kernel
+  counts it (for tests and benchmarks of snapshot memory).
 
 The library itself never imports this package.
 """

@@ -25,15 +25,7 @@ PROBE = """
 import json, sys, threading, time
 import torch
 from ckptstore import open_run
-
-def memory():
-    fields = {}
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            name, _, value = line.partition(":")
-            if value.strip().endswith("kB"):
-                fields[name] = int(value.split()[0]) * 1024
-    return fields["Rss"] - fields.get("LazyFree", 0), fields.get("LazyFree", 0)
+from ckptstore.testing.memory import held_and_lazily_freed as memory
 
 root, keep = sys.argv[1], sys.argv[2] == "keep"
 g = torch.Generator().manual_seed(0)

@@ -61,6 +61,7 @@ from ckptstore.integrations.dcp_metadata import (
 )
 from ckptstore.integrations.plainvalues import MAX_DEPTH, decode_plain, encode_plain
 from ckptstore.serialize.reader import ComponentReader
+from ckptstore.testing.memory import held_and_lazily_freed
 
 #: DCP itself warns that it assumes one process; only the wrappers' synchronous paths silence it.
 SINGLE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -550,26 +551,17 @@ def test_stager_reuses_its_buffers_and_copies() -> None:
         stager.close()
 
 
-def lazily_freed_bytes() -> int:
-    """Memory this process has handed back with ``MADV_FREE`` that the kernel has not taken."""
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("LazyFree:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 @SINGLE_PROCESS
 @pytest.mark.parametrize("keep", [False, True], ids=["default", "keep_buffers"])
 def test_async_save_hands_the_staged_memory_back_once_stored(run: Run, keep: bool) -> None:
     size = 32 << 20
     stager = SnapshotStager(keep_buffers=keep)
     try:
-        before = lazily_freed_bytes()
+        before = held_and_lazily_freed()[1]
         first = ckpt_dcp.save({"w": torch.ones(size // 4)}, run, 1, async_save=True, stager=stager)
         assert isinstance(first, Future)
         first.result(timeout=60)
-        handed_back = lazily_freed_bytes() - before
+        handed_back = held_and_lazily_freed()[1] - before
         if keep:
             assert handed_back < size // 2
         else:
