@@ -225,12 +225,7 @@ def info_row(work: str, ours: float, peer: str, theirs: float) -> dict[str, Any]
 def goal_row(work: str, ours: float, peer: str, theirs: float, goal: float) -> dict[str, Any]:
     print(f"{work}: ckptstore / {peer} = {ours / theirs:.2f}x (goal <= {goal}x)")
     return {
-        "work": work,
-        "ours": ours,
-        "peer": peer,
-        "peer_value": theirs,
-        "unit": "s",
-        "ratio": ours / theirs,
+        **info_row(work, ours, peer, theirs),
         "goal": f"<= {goal}x",
         "met": ours / theirs <= goal,
     }
