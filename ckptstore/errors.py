@@ -42,6 +42,21 @@ class IntegrityError(CkptStoreError):
     digest: str | None = None
 
 
+class UnreadableError(CkptStoreError):
+    """Stored bytes that may well be healthy cannot be read by this process: an unknown codec
+    id, blob kind or format version (a newer ckptstore wrote them), a codec whose
+    implementation is missing or fails here, or a local limit (memory, a size this reader
+    caps). Only proven damage condemns (DESIGN.md §12): this is never a reason to mark a
+    checkpoint corrupt or to move a blob, and it is deliberately not an
+    :class:`IntegrityError`, so that no handler of damage catches it. The message names the
+    cause and the fix.
+
+    ``digest`` names the blob when one is known.
+    """
+
+    digest: str | None = None
+
+
 class SerializationError(CkptStoreError, TypeError):
     """A value cannot be saved or an index cannot be read back; the message names its path."""
 

@@ -23,12 +23,14 @@ from ckptstore.cas.header import (
     Kind,
     decode_header,
 )
-from ckptstore.errors import ConfigError, IntegrityError, ObjectNotFoundError
+from ckptstore.errors import ConfigError, IntegrityError, ObjectNotFoundError, UnreadableError
 from ckptstore.objectstore.base import BytesLike, ObjectStore, RandomAccess
 
 #: :func:`read_into` reads and hashes a raw blob in pieces of this size, so each piece is
 #: hashed while the read has just left it in the CPU cache.
 READ_PIECE = 1 << 20
+#: Where damaged blobs are moved: ``quarantine/<hex>-<unix time>``.
+QUARANTINE = "quarantine/"
 
 
 class MissingBlobError(IntegrityError, FileNotFoundError):
@@ -54,6 +56,12 @@ def encode_object(
     raw: memoryview, digest: str, kind: Kind, *, itemsize: int, float_like: bool, threshold: float
 ) -> tuple[Header, list[memoryview]]:
     """Header and payload parts of the stored object for ``raw`` (payload may alias ``raw``)."""
+    if raw.nbytes > MAX_RAW_LEN:
+        # The format's limit: every reader refuses a header that declares more.
+        raise ConfigError(
+            f"a blob of {raw.nbytes} bytes is more than a blob may hold ({MAX_RAW_LEN}); "
+            "lower WriterOptions.chunk_bytes"
+        )
     enc = codec.encode(raw, itemsize=itemsize, float_like=float_like, threshold=threshold)
     if len(enc.params) > MAX_PARAMS or not 1 <= enc.itemsize <= 255:
         raise ConfigError(
@@ -118,35 +126,65 @@ def put_blob(
 
 
 def decode_object(
-    data: memoryview, digest: str, where: str, *, max_raw_len: int = MAX_RAW_LEN
+    data: memoryview,
+    digest: str,
+    where: str,
+    *,
+    max_raw_len: int = MAX_RAW_LEN,
+    limit: int | None = None,
 ) -> tuple[Header, memoryview]:
     """Verify a whole stored object against ``digest``; return its header and raw bytes.
 
-    ``max_raw_len`` is what the caller knows the blob can hold at most (from the verified index
-    or the manifest): a header declaring more is refused before anything is allocated for it.
+    ``max_raw_len`` is what the caller knows the blob holds at most (from the verified index
+    or the manifest): a header declaring more is refused as damaged before anything is
+    allocated for it. ``limit`` is this reader's own cap, no evidence about the blob: a
+    header declaring more is :class:`UnreadableError`.
     """
     header = decode_header(data, where)
-    _check_header(header, digest, where, max_raw_len)
-    payload = data[header.size :]
-    try:
-        raw = header.codec.decode(
-            payload, header.raw_len, itemsize=header.itemsize, params=header.params, where=where
-        )
-    except (MemoryError, ValueError) as exc:
-        raise IntegrityError(f"{where}: payload does not decode ({exc})") from exc
+    _check_header(header, digest, where, max_raw_len, limit)
+    raw = _decode_payload(header, data[header.size :], where)
     actual = digest_bytes(raw)
     if actual != digest:
         raise IntegrityError(f"{where}: content hashes to {actual} (corrupt)")
     return header, raw
 
 
-def _check_header(header: Header, digest: str, where: str, max_raw_len: int) -> None:
+def _decode_payload(header: Header, payload: memoryview, where: str) -> memoryview:
+    """The codec's decoding of ``payload``. Only the codec's own verdict that the payload is
+    malformed (``IntegrityError``) is damage; a codec that fails for any other reason (its
+    native library missing, too little memory) says nothing about the stored bytes."""
+    try:
+        return header.codec.decode(
+            payload, header.raw_len, itemsize=header.itemsize, params=header.params, where=where
+        )
+    except (IntegrityError, UnreadableError):
+        raise
+    except MemoryError as exc:
+        raise UnreadableError(
+            f"{where}: too little memory to decode its {header.raw_len} bytes "
+            f"({header.codec.name}); free memory, or load fewer components at once"
+        ) from exc
+    except Exception as exc:
+        raise UnreadableError(
+            f"{where}: the {header.codec.name!r} codec cannot decode it in this process "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _check_header(
+    header: Header, digest: str, where: str, max_raw_len: int, limit: int | None
+) -> None:
     if from_raw(header.digest) != digest:
         raise IntegrityError(f"{where}: header names digest {from_raw(header.digest)}")
     if header.raw_len > max_raw_len:
         raise IntegrityError(
             f"{where}: header declares {header.raw_len} bytes, more than the {max_raw_len} "
             "this blob can hold (damaged or crafted)"
+        )
+    if limit is not None and header.raw_len > limit:
+        raise UnreadableError(
+            f"{where}: blob holds {header.raw_len} bytes, more than this reader reads in one "
+            f"piece ({limit})"
         )
 
 
@@ -167,10 +205,50 @@ def quarantine_blob(store: ObjectStore, digest: str, *, now: float | None = None
     except ObjectNotFoundError:
         return False
     stamp = int(now if now is not None else time.time())
-    store.put(f"quarantine/{digest[3:]}-{stamp}", damaged)
+    store.put(f"{QUARANTINE}{digest[3:]}-{stamp}", damaged)
     store.flush()  # the copy is durable before the original goes
     store.delete([key])
     return True
+
+
+def good_quarantined_copy(
+    store: ObjectStore, digest: str, *, max_raw_len: int = MAX_RAW_LEN
+) -> tuple[str, bytearray] | None:
+    """The newest quarantined copy of ``digest`` that verifies in full, as (its key, its
+    bytes): a blob that was quarantined although it is good. None if no copy verifies (those
+    stay for inspection); :class:`UnreadableError` if a copy cannot be read here."""
+    for key in _quarantined_copies(store, digest):
+        try:
+            data = store.get(key)
+            decode_object(
+                memoryview(data), digest, f"quarantined {store.url}/{key}", max_raw_len=max_raw_len
+            )
+        except (ObjectNotFoundError, IntegrityError):
+            continue  # gone meanwhile, or really damaged
+        return key, data
+    return None
+
+
+def put_back(store: ObjectStore, digest: str, copy: tuple[str, bytearray]) -> bool:
+    """Store a good quarantined ``copy`` (from :func:`good_quarantined_copy`) under its blob's
+    key again and remove the copy; False (the copy kept) if the key holds an object already."""
+    key, data = copy
+    if not store.put(blob_key(digest), data):
+        return False
+    store.flush()  # the blob is durable under its key before the copy goes
+    store.delete([key])
+    return True
+
+
+def _quarantined_copies(store: ObjectStore, digest: str) -> list[str]:
+    """Keys of ``digest``'s quarantined copies, newest first (by their time stamp)."""
+    prefix = f"{QUARANTINE}{digest[3:]}-"
+    stamped = []
+    for info in store.list(prefix):
+        stamp = info.key[len(prefix) :]
+        if stamp.isdigit():
+            stamped.append((int(stamp), info.key))
+    return [key for _, key in sorted(stamped, reverse=True)]
 
 
 def _where(store: ObjectStore, digest: str, context: str) -> str:
@@ -179,30 +257,41 @@ def _where(store: ObjectStore, digest: str, context: str) -> str:
 
 @contextmanager
 def _blob_errors(digest: str, where: str) -> Iterator[None]:
-    """A missing object as :class:`MissingBlobError`; integrity errors tagged with the digest
-    (what repair and the fallback past a corrupt checkpoint act on)."""
+    """A missing object as :class:`MissingBlobError`, too little memory as
+    :class:`UnreadableError`; errors tagged with the digest (what repair and the fallback past
+    a corrupt checkpoint act on)."""
     try:
         yield
     except ObjectNotFoundError as exc:
         missing = MissingBlobError(f"{where} is missing from the store")
         missing.digest = digest
         raise missing from exc
-    except IntegrityError as exc:
+    except MemoryError as exc:
+        unreadable = UnreadableError(f"{where}: too little memory to read it; free memory")
+        unreadable.digest = digest
+        raise unreadable from exc
+    except (IntegrityError, UnreadableError) as exc:
         exc.digest = digest
         raise
 
 
 def get_blob(
-    store: ObjectStore, digest: str, *, context: str = "", max_raw_len: int = MAX_RAW_LEN
+    store: ObjectStore,
+    digest: str,
+    *,
+    context: str = "",
+    max_raw_len: int = MAX_RAW_LEN,
+    limit: int | None = None,
 ) -> tuple[Header, memoryview]:
     """Fetch, decode and verify one blob. Errors name the key, the store and ``context``.
 
-    ``max_raw_len`` bounds the raw length the blob's header may declare (see ``decode_object``).
+    ``max_raw_len`` and ``limit`` bound the raw length the blob's header may declare (see
+    ``decode_object``).
     """
     where = _where(store, digest, context)
     with _blob_errors(digest, where):
         return decode_object(
-            store.get_view(blob_key(digest)), digest, where, max_raw_len=max_raw_len
+            store.get_view(blob_key(digest)), digest, where, max_raw_len=max_raw_len, limit=limit
         )
 
 
@@ -223,8 +312,10 @@ def read_into(
     inside the blob (so a crafted index allocates nothing). Bytes no target wants are read into
     a small scratch buffer (they are hashed too). Returns the header; None, having read at most
     the header, if the store does not read in pieces (:class:`RandomAccess`), the blob is not
-    stored raw, or the targets overlap other than exactly: the caller then uses
-    :func:`get_blob`. If this raises, the destinations hold unverified bytes: discard them.
+    stored raw, or the targets overlap other than exactly or reach past the blob's end: the
+    caller then uses :func:`get_blob` (which verifies the blob whole first, so that a bad range
+    is blamed on the index that holds it, not on a blob that verifies). If this raises, the
+    destinations hold unverified bytes: discard them.
     """
     if not isinstance(store, RandomAccess):
         return None
@@ -233,14 +324,14 @@ def read_into(
         prefix = memoryview(bytearray(min(reader.size, MAX_HEADER)))
         reader.read_into(0, prefix)
         header = decode_header(prefix, where, object_size=reader.size)
-        _check_header(header, digest, where, max_raw_len)
+        _check_header(header, digest, where, max_raw_len, None)
         if header.codec is not codec.RAW:
             return None
         if header.stored_len != header.raw_len:
             raise IntegrityError(
                 f"{where}: raw payload is {header.stored_len} bytes, not {header.raw_len}"
             )
-        plan = _read_plan(targets, header.raw_len, where)
+        plan = _read_plan(targets, header.raw_len)
         if plan is None:
             return None
         fills, copies = plan
@@ -269,11 +360,12 @@ _Copy = tuple[int, int, int]
 
 
 def _read_plan(
-    targets: Sequence[tuple[int, int]], raw_len: int, where: str
+    targets: Sequence[tuple[int, int]], raw_len: int
 ) -> tuple[list[_Fill], list[_Copy]] | None:
     """The reads that cover ``[0, raw_len)`` in order, each into a target or (bytes no target
     wants) the scratch buffer, and the copies that fill targets repeating bytes an earlier
-    target holds (equal tensors stored once). None if targets partly overlap."""
+    target holds (equal tensors stored once). None if targets partly overlap or reach past
+    the blob's end."""
     fills: list[_Fill] = []
     copies: list[_Copy] = []
     cursor = 0
@@ -281,7 +373,7 @@ def _read_plan(
         offset, length = targets[i]
         end = offset + length
         if offset < 0 or length < 0 or end > raw_len:
-            raise IntegrityError(f"{where}: an entry points past the end of the blob")
+            return None
         if not length:
             continue
         if offset < cursor:

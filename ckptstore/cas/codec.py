@@ -149,6 +149,13 @@ def _byte_groupable(raw: memoryview, itemsize: int, float_like: bool) -> bool:
 
 def _decompress(payload: memoryview | bytes, raw_len: int, where: str) -> bytes:
     try:
+        # python-zstandard allocates what the frame declares, whatever max_output_size says: a
+        # frame that records another size is damaged, and is refused before anything is allocated.
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (-1, raw_len):
+            raise IntegrityError(
+                f"{where}: zstd frame declares {declared} bytes, expected {raw_len} (corrupt)"
+            )
         out = _decompressor().decompress(payload, max_output_size=raw_len)
     except zstandard.ZstdError as exc:
         raise IntegrityError(f"{where}: payload does not decode ({exc})") from exc

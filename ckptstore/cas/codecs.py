@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ckptstore.errors import ConfigError, IntegrityError
+from ckptstore.errors import ConfigError, UnreadableError
 
 #: The manifest stores a codec's name in a String(8) column.
 MAX_NAME_LEN = 8
@@ -66,9 +66,13 @@ class Codec(Protocol):
     ) -> memoryview:
         """The ``raw_len`` raw bytes of ``payload`` (``raw_len`` is at most the header's limit).
 
-        ``itemsize`` and ``params`` are the header's; any inconsistency raises
-        :class:`~ckptstore.errors.IntegrityError` naming ``where``. The result is checked
-        against the blob's digest by the caller.
+        ``itemsize`` and ``params`` are the header's. A payload or parameters this codec's
+        format does not allow raise :class:`~ckptstore.errors.IntegrityError` naming
+        ``where``: that alone counts as damage, and condemns the blob. Any other exception (a
+        missing native library, a newer payload format: raise
+        :class:`~ckptstore.errors.UnreadableError` for those) says this process cannot
+        decode it, and changes nothing. The result is checked against the blob's digest by
+        the caller.
         """
         ...
 
@@ -116,13 +120,16 @@ def unregister(codec: Codec) -> None:
 
 
 def by_id(codec_id: int, where: str = "") -> Codec:
-    """The codec a blob header names; ``IntegrityError`` (naming ``where``) if none has it."""
+    """The codec a blob header names; ``UnreadableError`` (naming ``where``) if none has it:
+    the header's CRC has already held, so the blob was written with a codec this ckptstore
+    does not know, which is no sign of damage."""
     codec = _by_id.get(codec_id)
     if codec is None:
         prefix = f"{where}: " if where else ""
-        raise IntegrityError(
+        raise UnreadableError(
             f"{prefix}unknown blob codec id {codec_id}: this ckptstore does not know it (a "
-            "newer ckptstore or an unregistered codec wrote the blob, or the header is damaged)"
+            "newer ckptstore or an unregistered codec wrote the blob); upgrade ckptstore or "
+            "register the codec to read it"
         )
     return codec
 

@@ -6,6 +6,10 @@ quarantined and its row condemned, and GC keeps every other blob of the checkpoi
 bytes of that digest are stored again (the next save of the same content re-uploads it, or an
 operator restores the object), :func:`recheck` re-verifies the whole checkpoint and, when every
 blob verifies, makes it committed again (``verify --recheck`` does the same on demand).
+
+A blob quarantined although its bytes are good (by a reader that took "cannot decode here" for
+damage) is found missing; when a copy of it under ``quarantine/`` verifies in full, a check
+that may act puts it back under its key and revives its row.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ckptstore.cas.blobs import MissingBlobError, get_blob
+from ckptstore.cas.blobs import MissingBlobError, get_blob, good_quarantined_copy, put_back
+from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
-from ckptstore.errors import IntegrityError
+from ckptstore.errors import IntegrityError, UnreadableError
 from ckptstore.manifest import reads
 from ckptstore.manifest import transactions as tx
 from ckptstore.manifest.db import Database
@@ -35,7 +40,7 @@ class Recheck:
     step: int
     #: "committed" or "deleted" (superseded) when repaired; "corrupt" when still damaged.
     status: str
-    #: Blobs that are still missing or damaged: (digest, "missing" | "corrupt", detail).
+    #: Blobs that are still missing, damaged or unreadable here: (digest, kind, detail).
     problems: tuple[tuple[str, str, str], ...] = ()
     bytes_checked: int = 0
     blobs_checked: int = 0
@@ -46,18 +51,51 @@ class Recheck:
         return self.status != "corrupt"
 
 
+Verdict = tuple[str, str] | None
+
+
 def check_blob(
-    store: ObjectStore, digest: str, max_raw_len: int
-) -> tuple[str, tuple[str, str] | None, int]:
+    store: ObjectStore, digest: str, max_raw_len: int, db: Database | None = None
+) -> tuple[str, Verdict, int]:
     """(digest, None, raw bytes) if the blob verifies; else (digest, (kind, detail), 0) with
-    kind "missing" or "corrupt". Never raises IntegrityError."""
+    kind "missing", "corrupt" (both proven) or "unreadable" (this process cannot read it; not
+    proven damaged). Never raises IntegrityError. With ``db`` (a check that may act), a
+    missing blob whose quarantined copy verifies is put back first."""
+    verdict, size = _verify(store, digest, max_raw_len)
+    if verdict is None or verdict[0] != "missing":
+        return digest, verdict, size
+    try:
+        copy = good_quarantined_copy(store, digest, max_raw_len=max_raw_len)
+    except UnreadableError as exc:
+        return digest, ("missing", f"{verdict[1]}; its quarantined copy: {exc}"), 0
+    if copy is None:
+        return digest, verdict, 0
+    if db is None:
+        note = (
+            f"; a copy that verifies is in quarantine ({copy[0]}): `ckptstore verify "
+            "--recheck` (without --no-mark) puts it back"
+        )
+        return digest, ("missing", verdict[1] + note), 0
+    if tx.revive_blob(db, digest, lambda: put_back(store, digest, copy)):
+        log.warning(
+            "RESTORED: %s was quarantined although it verifies; put back from %s",
+            blob_key(digest),
+            copy[0],
+        )
+    verdict, size = _verify(store, digest, max_raw_len)
+    return digest, verdict, size
+
+
+def _verify(store: ObjectStore, digest: str, max_raw_len: int) -> tuple[Verdict, int]:
     try:
         _, raw = get_blob(store, digest, max_raw_len=max_raw_len)
     except MissingBlobError as exc:
-        return digest, ("missing", str(exc)), 0
+        return ("missing", str(exc)), 0
     except IntegrityError as exc:
-        return digest, ("corrupt", str(exc)), 0
-    return digest, None, raw.nbytes
+        return ("corrupt", str(exc)), 0
+    except UnreadableError as exc:
+        return ("unreadable", str(exc)), 0
+    return None, raw.nbytes
 
 
 def recheck(
@@ -68,10 +106,12 @@ def recheck(
     workers: int = 8,
     restore: bool = True,
 ) -> list[Recheck]:
-    """Re-verify every blob of the given corrupt checkpoints; restore those that verify
-    (unless ``restore`` is False: then only report)."""
+    """Re-verify every blob of the given corrupt checkpoints (putting back good quarantined
+    copies); restore those that verify (unless ``restore`` is False: then only report, and
+    change nothing)."""
     results: list[Recheck] = []
-    verdicts: dict[str, tuple[str, str] | None] = {}
+    verdicts: dict[str, Verdict] = {}
+    act = db if restore else None
     with ThreadPoolExecutor(workers) as pool:
         for checkpoint_id in checkpoint_ids:
             found = reads.checkpoint(db, checkpoint_id)
@@ -82,7 +122,8 @@ def recheck(
                 sizes.setdefault(comp.index_digest, None)
             todo = [d for d in sizes if d not in verdicts]
             bounds = [sizes[d] or MAX_RAW_LEN for d in todo]
-            for digest, verdict, _ in pool.map(check_blob, [store] * len(todo), todo, bounds):
+            checked = pool.map(check_blob, [store] * len(todo), todo, bounds, [act] * len(todo))
+            for digest, verdict, _ in checked:
                 verdicts[digest] = verdict
             problems = tuple((d, v[0], v[1]) for d in sizes if (v := verdicts[d]) is not None)
             status = "corrupt"

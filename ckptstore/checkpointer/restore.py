@@ -1,9 +1,14 @@
 """Loading a checkpoint: verified reads, fallback past corrupt checkpoints, the store check.
 
-A checkpoint that fails verification is marked corrupt (its damaged blob quarantined) and the
-previous committed one is tried, loudly. A missing blob only condemns a checkpoint when the
-store is the right one: if none of the checkpoint's other blobs are there either, the store URL
-is wrong and nothing is marked (``StoreNotFoundError``).
+Only proven damage condemns (DESIGN.md §12). A checkpoint whose stored bytes fail their
+checksum or digest (``IntegrityError``) is skipped and the previous committed one is tried,
+loudly; a writer also marks it corrupt and quarantines the damaged blob, while a read-only
+reader changes nothing and says which command would (``ckptstore verify``). Bytes this process
+cannot read (``UnreadableError``: an unknown codec or format version, a missing codec
+implementation, too little memory) condemn nothing and are no reason to fall back: the error
+goes to the caller. A missing blob only condemns a checkpoint when the store is the right one:
+if none of the checkpoint's other blobs are there either, the store URL is wrong and nothing
+is marked (``StoreNotFoundError``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ckptstore.errors import (
     ComponentNotFoundError,
     IntegrityError,
     StoreNotFoundError,
+    UnreadableError,
 )
 from ckptstore.manifest import reads
 from ckptstore.manifest import transactions as tx
@@ -40,7 +46,8 @@ class LoadedCheckpoint:
     info: CheckpointInfo
     #: Component name -> its state (or, for a partial load, path -> value).
     state: dict[str, Any]
-    #: Newer checkpoints that failed verification and were marked corrupt on the way.
+    #: Newer checkpoints that failed verification on the way: (step, why). A writer marked
+    #: them corrupt; a read-only reader left them as they were.
     skipped: tuple[tuple[int, str], ...] = ()
 
 
@@ -52,6 +59,9 @@ class Reader:
     store: ObjectStore
     run_id: int
     name: str
+    #: Whether a damaged checkpoint may be marked corrupt and its blob quarantined: only for
+    #: a run opened as its writer. A read-only reader reports and changes nothing.
+    writable: bool = False
 
     @property
     def key(self) -> tuple[int, str]:
@@ -71,7 +81,7 @@ def load(
     wanted = set(components) if components is not None else None
     if step is not None:
         info = reads.committed_at(reader.db, reader.key, check_step(step))
-        return LoadedCheckpoint(info, load_state(reader, info, wanted, paths))
+        return LoadedCheckpoint(info, _load_state(reader, info, wanted, paths))
     skipped: list[tuple[int, str]] = []
     before: int | None = None
     while True:
@@ -82,7 +92,7 @@ def load(
                 f"run {reader.name!r} has no committed checkpoint to load{detail}"
             )
         try:
-            state = load_state(reader, found, wanted, paths)
+            state = _load_state(reader, found, wanted, paths)
         except IntegrityError as exc:
             if not fallback:
                 raise
@@ -93,6 +103,25 @@ def load(
             before = found.step
             continue
         return LoadedCheckpoint(found, state, tuple(skipped))
+
+
+def _load_state(
+    reader: Reader,
+    info: CheckpointInfo,
+    wanted: set[str] | None,
+    paths: Mapping[str, Iterable[str]] | None,
+) -> dict[str, Any]:
+    """:func:`load_state`, with what cannot be read here said to change nothing."""
+    try:
+        return load_state(reader, info, wanted, paths)
+    except UnreadableError as exc:
+        unreadable = UnreadableError(
+            f"run {reader.name!r} step {info.step} cannot be read by this process: {exc}. It "
+            "is not proven damaged, so it was not marked corrupt, nothing was moved, and no "
+            "older checkpoint was loaded in its place"
+        )
+        unreadable.digest = exc.digest
+        raise unreadable from exc
 
 
 def load_state(
@@ -155,7 +184,22 @@ def wrong_store(store: ObjectStore, finding: str) -> StoreNotFoundError:
 
 
 def mark_corrupt(reader: Reader, info: CheckpointInfo, exc: IntegrityError) -> None:
-    """Mark the checkpoint corrupt and quarantine its damaged blob; say so loudly."""
+    """Say loudly that the checkpoint failed verification and that the previous committed one
+    is used instead. A writer marks it corrupt and quarantines its damaged blob; a read-only
+    reader changes nothing and names the command that would."""
+    if not reader.writable:
+        log.error(
+            "CHECKPOINT CORRUPT: run %r step %d failed verification (%s); the previous "
+            "committed checkpoint is used instead. It was NOT marked corrupt and nothing was "
+            "moved, because the run is open read-only: `ckptstore verify %s@%d` (or a load "
+            "from the run's writer) marks it and quarantines the damaged blob",
+            reader.name,
+            info.step,
+            exc,
+            reader.name,
+            info.step,
+        )
+        return
     log.error(
         "CHECKPOINT CORRUPT: run %r step %d failed verification (%s); it is marked corrupt "
         "and the previous committed checkpoint is used instead",

@@ -175,6 +175,11 @@ class Run:
 
     # -- reading ----------------------------------------------------------------------------
 
+    @property
+    def writable(self) -> bool:
+        """Whether this is the run's writer (it saves, and acts on damage a load finds)."""
+        return self.epoch is not None
+
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint, or None. One indexed query."""
         return reads.latest(self.db, (self.id, self.name))
@@ -195,10 +200,13 @@ class Run:
 
         ``components`` limits which components load; ``paths`` maps a component to the entry
         paths (or ``prefix/`` subtrees) to load from it. When loading the newest checkpoint and
-        it fails verification, it is marked corrupt and the previous committed one is tried
-        (``fallback``); the skipped ones are reported in the result and in the log.
+        its stored bytes fail verification, the previous committed one is tried
+        (``fallback``); the skipped ones are reported in the result and in the log. A writer
+        marks them corrupt (and quarantines the damaged blob); a read-only run changes
+        nothing. Bytes this process cannot read (``UnreadableError``) are never a reason to
+        skip a checkpoint: that error is raised.
         """
-        reader = restore.Reader(self.db, self.store, self.id, self.name)
+        reader = restore.Reader(self.db, self.store, self.id, self.name, self.writable)
         return restore.load(reader, step, components=components, paths=paths, fallback=fallback)
 
     # -- lifecycle --------------------------------------------------------------------------

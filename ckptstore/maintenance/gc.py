@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.errors import GcBusyError
-from ckptstore.manifest import garbage
+from ckptstore.manifest import garbage, transactions
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import utcnow
 
@@ -97,6 +97,9 @@ def collect_garbage(
     with gc_lease(db):
         kept = garbage.kept_for_corrupt(db)
         report.kept_for_corrupt, report.kept_for_corrupt_bytes, report.corrupt_checkpoints = kept
+        if release_corrupt and not dry_run:
+            # Given up on: deleted, so this GC takes their blobs and verify stops reporting them.
+            transactions.release_corrupt(db)
         report.condemned, report.condemned_bytes = garbage.condemn(
             db, utcnow() - grace, release_corrupt=release_corrupt, dry_run=dry_run
         )

@@ -1,4 +1,11 @@
-"""Re-hash what checkpoints reference and report what is missing or damaged."""
+"""Re-hash what checkpoints reference and report what is missing, damaged or unreadable.
+
+Only proven damage (a missing blob, bytes that fail their checksum or digest) marks a
+checkpoint corrupt; a blob this process cannot read is reported and changes nothing. A
+checkpoint that stays marked corrupt is reported by every later pass until it is repaired
+(``recheck``) or released (``ckptstore gc --release-corrupt``), so that a gate on verify's exit
+code never turns green over a broken run.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +18,14 @@ from dataclasses import dataclass, field
 from ckptstore.cas.blobs import quarantine_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
-from ckptstore.checkpointer.repair import check_blob
+from ckptstore.checkpointer.repair import Verdict, check_blob
 from ckptstore.checkpointer.repair import recheck as recheck_checkpoints
 from ckptstore.checkpointer.restore import wrong_store
 from ckptstore.errors import (
     CkptStoreError,
     IntegrityError,
     SerializationError,
+    UnreadableError,
 )
 from ckptstore.manifest import reads
 from ckptstore.manifest import transactions as tx
@@ -37,7 +45,9 @@ class Problem:
     step: int
     component: str
     key: str
-    kind: str  # "missing", "corrupt" or "unreadable" (an index that does not parse)
+    #: "missing" or "corrupt" (proven damage), or "unreadable": this process cannot read the
+    #: blob (an unknown codec or version, a missing codec, an index that does not parse).
+    kind: str
     detail: str
 
 
@@ -52,6 +62,16 @@ class VerifyReport:
     corrupt_checkpoints: list[tuple[str, int]] = field(default_factory=list)
     #: Corrupt checkpoints that verified again (``recheck``) and are committed again.
     repaired: list[tuple[str, int]] = field(default_factory=list)
+    #: Checkpoints this pass marked corrupt.
+    marked: list[tuple[str, int]] = field(default_factory=list)
+    #: Checkpoints marked corrupt before this pass that still are: (run, step, why). Each
+    #: is a problem until it is repaired or released.
+    still_corrupt: list[tuple[str, int, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Nothing found, and nothing left marked corrupt."""
+        return not self.problems and not self.still_corrupt
 
 
 @dataclass(slots=True)
@@ -60,16 +80,13 @@ class _Target:
     run: str
     step: int
     owners: dict[str, str]  # digest -> component
-    sizes: dict[str, int]  # digest -> raw length the manifest recorded
+    sizes: dict[str, int | None]  # digest -> raw length the manifest recorded (None: no row)
 
 
 def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
     targets = []
     for info in reads.targets(db, run=run, step=step):
-        sizes = {
-            digest: size if size is not None else MAX_RAW_LEN
-            for digest, size in reads.blob_sizes(db, info.id).items()
-        }
+        sizes = reads.blob_sizes(db, info.id)
         owners = dict.fromkeys(sizes, "?")
         for comp in info.components:
             owners[comp.index_digest] = comp.name
@@ -93,18 +110,20 @@ def verify(
     """Check every blob (or ``sample`` random blobs per checkpoint) of committed checkpoints.
 
     Damaged checkpoints are marked corrupt and their bad blobs quarantined (so the next save
-    uploads good bytes), unless ``mark_corrupt`` is False. With ``recheck``, checkpoints marked
-    corrupt are re-verified in full too, and those whose every blob verifies again (a good copy
-    was re-uploaded or restored) become committed again (only if ``mark_corrupt``: without it
-    nothing changes).
+    uploads good bytes), and missing blobs with a good quarantined copy are put back, unless
+    ``mark_corrupt`` is False (then nothing changes). Unreadable blobs are reported only. With
+    ``recheck``, checkpoints marked corrupt are re-verified in full too, and those whose every
+    blob verifies again (a good copy was re-uploaded or restored) become committed again (only
+    if ``mark_corrupt``). Checkpoints left marked corrupt are listed in ``still_corrupt``.
     """
     report = VerifyReport()
     if recheck:
         _recheck(db, store, run, step, report, mark_corrupt, workers, progress)
     targets = _targets(db, run, step)
     rng = random.Random(seed)
-    verdicts: dict[str, tuple[str, str] | None] = {}  # digest -> (kind, detail) or None if ok
-    to_mark: list[tuple[_Target, tuple[str, str] | None, list[str]]] = []
+    verdicts: dict[str, Verdict] = {}  # digest -> (kind, detail), or None if it verified
+    to_mark: list[tuple[_Target, Verdict, list[str]]] = []
+    act = db if mark_corrupt else None
     with ThreadPoolExecutor(workers) as pool:
         for target in targets:
             report.checkpoints += 1
@@ -117,7 +136,7 @@ def verify(
                     referenced = ComponentReader(
                         store, digest, index_len=target.sizes.get(digest)
                     ).digests
-                except IntegrityError:
+                except (IntegrityError, UnreadableError):
                     continue  # reported below when the blob itself is checked
                 except SerializationError as exc:
                     unreadable.append((digest, str(exc)))  # intact bytes, but no valid index
@@ -128,8 +147,8 @@ def verify(
             if sample is not None and sample < len(todo):
                 todo = rng.sample(todo, sample)
             fresh = [d for d in todo if d not in verdicts]
-            bounds = [target.sizes.get(d, MAX_RAW_LEN) for d in fresh]
-            checked = pool.map(check_blob, [store] * len(fresh), fresh, bounds)
+            bounds = [_bound(target.sizes.get(d)) for d in fresh]
+            checked = pool.map(check_blob, [store] * len(fresh), fresh, bounds, [act] * len(fresh))
             for digest, verdict, size in checked:
                 verdicts[digest] = verdict
                 report.blobs_checked += 1
@@ -145,14 +164,26 @@ def verify(
                 report.problems.append(Problem(target.run, target.step, owner, key, kind, detail))
             if bad or unreadable:
                 report.corrupt_checkpoints.append((target.run, target.step))
-            if bad and mark_corrupt:
-                to_mark.append((target, bad[0][1], [d for d, _ in bad]))
+            proven = [(d, v) for d, v in bad if v is not None and v[0] != "unreadable"]
+            if proven and mark_corrupt:
+                to_mark.append((target, proven[0][1], [d for d, _ in proven]))
     seen = list(verdicts.values())
     if len(seen) >= 2 and all(v is not None and v[0] == "missing" for v in seen):
         raise wrong_store(store, f"none of the {len(seen)} blobs checked exist in the store")
     for target, verdict, digests in to_mark:
         _mark_corrupt(db, store, target, verdict, digests)
+        report.marked.append((target.run, target.step))
+    report.still_corrupt = [
+        (c.run, c.step, c.error or "")
+        for c in reads.targets(db, run=run, step=step, status="corrupt")
+        if (c.run, c.step) not in report.marked
+    ]
     return report
+
+
+def _bound(size: int | None) -> int:
+    """The raw length the manifest records for a blob bounds its header; none: the format's."""
+    return MAX_RAW_LEN if size is None else size
 
 
 def _recheck(

@@ -208,13 +208,7 @@ def restore_committed(session: Session, checkpoint_id: int, digests: Sequence[st
     rows = blob_rows(session, list(digests))
     if len(rows) != len(set(digests)):
         return None
-    now = utcnow()
-    for i in range(0, len(digests), lookups.BATCH):
-        session.execute(
-            update(BlobRow)
-            .where(BlobRow.digest.in_(digests[i : i + lookups.BATCH]))
-            .values(state=BlobState.LIVE, condemned_at=None, last_claimed_at=now)
-        )
+    now = revive_blobs(session, digests)
     newer = session.scalar(
         select(CheckpointRow.id).where(
             CheckpointRow.run_id == row.run_id,
@@ -230,6 +224,34 @@ def restore_committed(session: Session, checkpoint_id: int, digests: Sequence[st
     row.status = status
     row.error = f"{note} (was: {row.error})"[:4000] if row.error else note
     return status
+
+
+def revive_blobs(session: Session, digests: Sequence[str]) -> dt.datetime:
+    """Blob rows whose objects verified again are live (and freshly claimed); returns now."""
+    now = utcnow()
+    for i in range(0, len(digests), lookups.BATCH):
+        session.execute(
+            update(BlobRow)
+            .where(BlobRow.digest.in_(digests[i : i + lookups.BATCH]))
+            .values(state=BlobState.LIVE, condemned_at=None, last_claimed_at=now)
+        )
+    return now
+
+
+def release_corrupt(session: Session) -> list[int]:
+    """Every corrupt checkpoint becomes deleted: its owner gave up on repairing it, so GC may
+    take its blobs and ``verify`` stops reporting it. Returns their ids."""
+    hold_gc_lock_exclusive(session)
+    rows = list(
+        session.scalars(
+            select(CheckpointRow).where(CheckpointRow.status == Status.CORRUPT).with_for_update()
+        )
+    )
+    for row in rows:
+        note = f"released by gc --release-corrupt at {utcnow():%Y-%m-%d %H:%M:%S} UTC"
+        row.status = Status.DELETED
+        row.error = f"{note} (was: {row.error})"[:4000] if row.error else note
+    return [row.id for row in rows]
 
 
 def supersede_step(session: Session, checkpoint_id: int) -> list[int]:

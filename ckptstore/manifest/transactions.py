@@ -213,3 +213,23 @@ def restore(db: Database, checkpoint_id: int, digests: Sequence[str]) -> str | N
         lambda s: q.restore_committed(s, checkpoint_id, digests),
         what=f"restoring repaired checkpoint {checkpoint_id}",
     )
+
+
+def revive_blob(db: Database, digest: str, put_back: Callable[[], bool]) -> bool:
+    """A blob quarantined although it verifies goes back: ``put_back`` stores it under its key
+    (True if it did) with commits held off, and its row is live again."""
+
+    def transaction(session: Session) -> bool:
+        q.hold_gc_lock_exclusive(session)
+        if not put_back():
+            return False
+        q.revive_blobs(session, [digest])
+        return True
+
+    return db.write(transaction, what=f"restoring quarantined blob {digest}")
+
+
+def release_corrupt(db: Database) -> list[int]:
+    """Give up on every corrupt checkpoint (``gc --release-corrupt``): each becomes deleted, so
+    GC may take its blobs and ``verify`` no longer reports it. Returns their ids."""
+    return db.write(q.release_corrupt, what="releasing corrupt checkpoints")

@@ -23,7 +23,7 @@ import torch
 
 from ckptstore.cas.blobs import get_blob, read_into
 from ckptstore.cas.header import Kind
-from ckptstore.errors import IntegrityError
+from ckptstore.errors import IntegrityError, UnreadableError
 from ckptstore.objectstore.base import ObjectStore, uninitialized
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry
@@ -95,13 +95,15 @@ class _Assembler:
 
 def _allocate(nbytes: int, where: str) -> memoryview:
     """An uninitialized buffer (every byte is written before use; zero-filling would only
-    cost a second pass over the memory)."""
+    cost a second pass over the memory). The index asking for it has verified, so failing to
+    get it is this process's limit, not damage."""
     try:
         return uninitialized(nbytes)
-    except (MemoryError, ValueError):
-        raise IntegrityError(
-            f"{where}: cannot allocate {nbytes} bytes for an entry (a corrupt index, or too "
-            "little memory)"
+    except (MemoryError, ValueError) as exc:
+        why = str(exc) or "out of memory"
+        raise UnreadableError(
+            f"{where}: cannot allocate {nbytes} bytes for an entry here ({why}); free memory, "
+            "or load fewer entries at once"
         ) from None
 
 
@@ -127,6 +129,19 @@ def _materialize(entry: Entry, buffer: memoryview | None, where: str) -> Any:
     return array[()] if entry.kind == "npscalar" else array
 
 
+def _blob_bounds(index: ComponentIndex, digests: Iterable[str]) -> dict[str, int]:
+    """The most raw bytes each of ``digests`` can hold, from every entry of the index that
+    points into it: a pack holds all of its items, not only the ones a partial load asks for
+    (a bound from those alone would call a healthy pack damaged)."""
+    wanted = set(digests)
+    targets: dict[str, list[tuple[str, int, int]]] = {d: [] for d in wanted}
+    for entry in index.entries:
+        for seg in entry.segments:
+            if seg.digest in wanted:
+                targets[seg.digest].append((entry.path, seg.offset, seg.length))
+    return {digest: max_blob_len(found) for digest, found in targets.items()}
+
+
 def load_entries(
     store: ObjectStore,
     index: ComponentIndex,
@@ -146,11 +161,13 @@ def load_entries(
             by_blob.setdefault(seg.digest, []).append(_Target(n, seg.offset, seg.length, dest))
             dest += seg.length
 
+    bounds = _blob_bounds(index, by_blob)
+
     def fetch(digest: str) -> None:
         paths = ", ".join(sorted({chosen[t.entry].path for t in by_blob[digest]})[:3])
         blob_context = with_context(context, f"entry {paths}")
         targets = by_blob[digest]
-        bound = max_blob_len((chosen[t.entry].path, t.offset, t.length) for t in targets)
+        bound = bounds[digest]
         header = read_into(
             store,
             digest,

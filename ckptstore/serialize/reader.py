@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptstore.cas.blobs import get_blob
-from ckptstore.cas.header import Kind
+from ckptstore.cas.header import MAX_RAW_LEN, Kind
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore.base import ObjectStore
 from ckptstore.serialize.assemble import load_entries, max_blob_len, with_context
@@ -56,12 +56,14 @@ class ComponentReader:
             return self._index
 
     def _fetch_index(self) -> ComponentIndex:
-        bound = MAX_INDEX_BYTES if self.index_len is None else min(self.index_len, MAX_INDEX_BYTES)
+        # The manifest's length is evidence about the blob (a header declaring more is
+        # damaged); MAX_INDEX_BYTES is only this reader's cap (more is unreadable here).
         header, raw = get_blob(
             self.store,
             self.index_digest,
             context=with_context(self.context, "index"),
-            max_raw_len=bound,
+            max_raw_len=MAX_RAW_LEN if self.index_len is None else self.index_len,
+            limit=MAX_INDEX_BYTES,
         )
         if header.kind is not Kind.INDEX:
             raise IntegrityError(

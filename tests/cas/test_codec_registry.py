@@ -14,7 +14,7 @@ from component_helpers import random_bytes, save
 from ckptstore.cas import BlobWriter, Kind, WriterOptions, blob_key, codecs, get_blob
 from ckptstore.cas.codec import BGZSTD, FPHUFF, RAW, ZSTD, encode
 from ckptstore.cas.codecs import Encoded
-from ckptstore.errors import ConfigError, IntegrityError
+from ckptstore.errors import ConfigError, IntegrityError, UnreadableError
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize import load_component, read_index
 from ckptstore.serialize.compare import first_difference
@@ -110,7 +110,7 @@ def test_a_blob_of_a_codec_this_ckptstore_does_not_know_is_refused(
     with BlobWriter(store, WriterOptions()) as writer:
         ref = writer.submit(memoryview(raw), Kind.CHUNK, keepalive=raw).result()
     codecs.unregister(reversing)
-    with pytest.raises(IntegrityError, match="unknown blob codec id 200") as info:
+    with pytest.raises(UnreadableError, match="unknown blob codec id 200") as info:
         get_blob(store, ref.digest)
     assert "does not know" in str(info.value)
     assert blob_key(ref.digest) in str(info.value)
@@ -146,7 +146,7 @@ def test_register_refuses_a_clash_or_what_the_header_and_manifest_cannot_hold(
 
 
 def test_lookups_of_unknown_codecs_name_what_is_missing() -> None:
-    with pytest.raises(IntegrityError, match="where: unknown blob codec id 199"):
+    with pytest.raises(UnreadableError, match="where: unknown blob codec id 199"):
         codecs.by_id(199, "where")
     with pytest.raises(KeyError, match="no codec named 'lz4'"):
         codecs.by_name("lz4")

@@ -398,10 +398,12 @@ def torture(
         assert (loaded.info.step, loaded.skipped) == (1, ())
         if not full:
             return tally
+        # Step 1 verifies, but step 2 is still marked corrupt: verify stays red until repaired.
         code, out = cli(capsys, target, "verify", name)
-        assert code == 0, out
+        assert code == 1, out
+        assert f"STILL CORRUPT: run {name!r} step 2 is still marked corrupt: " in out
         assert "verified 1 checkpoint(s)" in out
-        assert out.rstrip().endswith("OK"), out
+        assert out.rstrip().endswith(": 1 checkpoint(s) still marked corrupt"), out
         info3 = again.save(3, checkpoint_state(2, base=base)).wait()
         assert info3.uploaded_bytes > 0
         assert target.raw.read(key) is not None

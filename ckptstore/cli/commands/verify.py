@@ -1,4 +1,9 @@
-"""``ckptstore verify [RUN[@STEP]]``: re-hash checkpoints' blobs; mark damaged ones corrupt."""
+"""``ckptstore verify [RUN[@STEP]]``: re-hash checkpoints' blobs; mark damaged ones corrupt.
+
+Exit 1 while anything is wrong: damage or unreadable blobs found now, or a checkpoint still
+marked corrupt from before (until it is repaired or released), so that a CI gate on the exit
+code stays red over a broken run.
+"""
 
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ def register(
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    """Verify; exit 1 if any problem remains."""
+    """Verify; exit 1 if any problem remains, or any checkpoint is still marked corrupt."""
     from ckptstore.maintenance import verify  # torch: imported only by this command
 
     name, step = parse_target(args.target) if args.target is not None else (None, None)
@@ -58,35 +63,68 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
             recheck=args.recheck,
             progress=bar.update,
         )
+    pairs = {"corrupt_checkpoints": report.corrupt_checkpoints, "repaired": report.repaired}
     payload = jsonable(report) | {
-        "corrupt_checkpoints": [{"run": r, "step": s} for r, s in report.corrupt_checkpoints],
-        "repaired": [{"run": r, "step": s} for r, s in report.repaired],
+        name: [{"run": r, "step": s} for r, s in found] for name, found in pairs.items()
     }
-    emit(args, payload, text=_text(report, marked=not args.no_mark))
-    return EXIT_PROBLEMS if report.problems else EXIT_OK
-
-
-def _text(report: VerifyReport, *, marked: bool) -> str:
-    lines = [
-        f"{p.kind.upper()}: run {quoted(p.run)} step {p.step} "
-        f"component {quoted(p.component)}: {printable(p.key)}"
-        for p in report.problems
+    payload["marked"] = [{"run": r, "step": s} for r, s in report.marked]
+    payload["still_corrupt"] = [
+        {"run": r, "step": s, "error": why} for r, s, why in report.still_corrupt
     ]
+    emit(args, payload, text=_text(report, no_mark=args.no_mark))
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+#: How much of why a checkpoint was marked corrupt a STILL CORRUPT line shows.
+REASON_CHARS = 240
+#: How a corrupt checkpoint stops being one (see checkpointer/repair.py and ``gc``).
+REPAIR_HINT = (
+    "  to repair: store good bytes again (save the same state again, or put the object back "
+    "under its key), then `ckptstore verify --recheck`; to give up on it: "
+    "`ckptstore gc --release-corrupt`"
+)
+
+
+def _text(report: VerifyReport, *, no_mark: bool) -> str:
+    lines = []
+    for p in report.problems:
+        lines.append(
+            f"{p.kind.upper()}: run {quoted(p.run)} step {p.step} "
+            f"component {quoted(p.component)}: {printable(p.key)}"
+        )
+        if p.kind == "unreadable":
+            lines.append(f"  not marked (not proven damaged): {printable(p.detail)}")
     lines += [
         f"REPAIRED: run {quoted(run)} step {step} is committed again"
         for run, step in report.repaired
     ]
-    verdict = (
-        "OK"
-        if not report.problems
-        else f"{len(report.problems)} problem(s) in {len(report.corrupt_checkpoints)} "
-        "checkpoint(s)" + (", marked corrupt" if marked else "")
-    )
+    lines += [
+        f"STILL CORRUPT: run {quoted(run)} step {step} is still marked corrupt: "
+        + printable(why if len(why) <= REASON_CHARS else why[:REASON_CHARS] + "...")
+        for run, step, why in report.still_corrupt
+    ]
+    if report.marked or report.still_corrupt:
+        lines.append(REPAIR_HINT)
     lines.append(
         f"verified {report.checkpoints} checkpoint(s), {report.blobs_checked} blob(s), "
-        f"{human_bytes(report.bytes_checked)}: {verdict}"
+        f"{human_bytes(report.bytes_checked)}: {_verdict(report, no_mark=no_mark)}"
     )
     return "\n".join(lines)
+
+
+def _verdict(report: VerifyReport, *, no_mark: bool) -> str:
+    if report.ok:
+        return "OK"
+    found = []
+    if report.problems:
+        marked = "not marked (--no-mark)" if no_mark else f"{len(report.marked)} marked corrupt"
+        found.append(
+            f"{len(report.problems)} problem(s) in {len(report.corrupt_checkpoints)} "
+            f"checkpoint(s), {marked}"
+        )
+    if report.still_corrupt:
+        found.append(f"{len(report.still_corrupt)} checkpoint(s) still marked corrupt")
+    return "; ".join(found)
 
 
 def _sample(text: str) -> int:
