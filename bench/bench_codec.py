@@ -17,6 +17,11 @@ zipnn 0.5.4 is run as ``ZipNN(threads=1, input_format="byte", bytearray_dtype=..
 ``bytes`` object), so each of its encodes gets a private copy of the tensor (made untimed), and
 its decodes are checked against the untouched tensor.
 
+Beside them, on the bf16 and fp32 weights: the pure-Python reference decoder
+(``ckptstore.cas.fpref``, what an installation built without a C compiler reads fphuff blobs
+with) against the C one, decode MB/s of raw output, the two alternating in each repetition on
+the same payload and checked bit for bit ("info" rows: a floor, not a goal).
+
 ``--json PATH`` writes one row per tensor and metric: ``{"work", "ours", "peer", "peer_value",
 "unit", "ratio", "goal", "met"}``. Exit status 1 if any round trip is not bit-exact.
 """
@@ -35,11 +40,14 @@ from typing import Any
 
 import torch
 
+from ckptstore.cas import fpref
 from ckptstore.cas.codec import BGZSTD
 from ckptstore.cas.codecs import Codec, Encoded
 from ckptstore.cas.fpcodec import NATIVE_ERROR, FloatPlaneCodec
 
 MiB = 1 << 20
+#: The tensors the reference decoder is timed on.
+REFERENCE_WORKS = ("bf16 weights", "fp32 weights")
 
 
 @dataclass(frozen=True)
@@ -229,6 +237,51 @@ def report(
     return rows
 
 
+def reference_rows(works: list[Work], reps: int) -> list[dict[str, Any]]:
+    """Decode MB/s of the reference decoder beside the C one on :data:`REFERENCE_WORKS` (one
+    payload each, from the C encoder; the two alternate, each decode checked bit for bit)."""
+    native, reference = FloatPlaneCodec(), FloatPlaneCodec(fpref)
+    rows: list[dict[str, Any]] = []
+    for work in (w for w in works if w.name in REFERENCE_WORKS):
+        enc = CkptstoreCodec(native).encode(work, work.raw)
+        payload, expected = b"".join(enc.payload), work.raw.tobytes()
+        speeds: dict[str, list[float]] = {"native": [], "reference": []}
+        for rep in range(reps):
+            order = [("native", native), ("reference", reference)]
+            for name, codec in order if rep % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                out = codec.decode(
+                    memoryview(payload),
+                    work.raw.nbytes,
+                    itemsize=enc.itemsize,
+                    params=enc.params,
+                    where=work.name,
+                )
+                t1 = time.perf_counter()
+                if bytes(out) != expected:
+                    print(f"fpref decode of {work.name} is not bit-exact")
+                    sys.exit(1)
+                speeds[name].append(work.raw.nbytes / (t1 - t0) / 1e6)
+        ours, peer = (statistics.median(speeds[k]) for k in ("reference", "native"))
+        print(
+            f"{work.name:16} fpref decode MB/s {spread(speeds['reference'])}, "
+            f"C decode {spread(speeds['native'])}"
+        )
+        rows.append(
+            {
+                "work": f"{work.name} decode, reference fpref (1 thread)",
+                "ours": ours,
+                "peer": "fphuff C decoder",
+                "peer_value": peer,
+                "unit": "MB/s",
+                "ratio": ours / peer,
+                "goal": "info",
+                "met": None,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mib", type=int, default=256, help="raw MiB per tensor")
@@ -243,6 +296,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     samples = measure(contenders, works, args.reps)
     rows = report(samples, works, [c.name for c in contenders])
+    rows += reference_rows(works, args.reps)
     print(
         f"{args.reps} reps, {args.size_mib} MiB per tensor; median (min-max) over reps; "
         f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after "
@@ -250,7 +304,7 @@ def main() -> None:
     )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
-        met = sum(r["met"] for r in rows)
+        met = sum(bool(r["met"]) for r in rows)
         print(f"wrote {len(rows)} rows ({met} met) to {args.json}")
 
 

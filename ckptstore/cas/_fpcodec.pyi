@@ -1,4 +1,8 @@
-"""Types of the float codec's C extension (ckptstore/cas/_fpcodec.c); see ckptstore.cas.fpcodec."""
+"""Types of the float codec's C extension (ckptstore/cas/_fpcodec.c); see ckptstore.cas.fpcodec.
+
+ckptstore.cas.fpref implements the same three functions in Python, byte for byte the same (its
+docstring specifies the payload format); the extension is optional.
+"""
 
 from typing_extensions import Buffer
 
