@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -51,11 +52,18 @@ def torch_dtype(name: str, where: str) -> torch.dtype:
         raise SerializationError(f"{where}: unknown tensor dtype {name!r}") from None
 
 
+_NUMPY_DTYPE_STR = re.compile(r"[<>|=]?[biufcmM][0-9]{1,2}(\[[0-9]*[a-zA-Z]{1,2}\])?")
+
+
 def numpy_dtype(name: str, where: str) -> np.dtype[np.generic]:
     """A plain numpy dtype from its ``dtype.str`` (no objects, no structured records)."""
+    # np.dtype parses some strings as Python literals or deprecated aliases: only the plain
+    # ``dtype.str`` form is handed to it.
+    if not isinstance(name, str) or not _NUMPY_DTYPE_STR.fullmatch(name):
+        raise SerializationError(f"{where}: unknown numpy dtype {name!r}")
     try:
         dtype = np.dtype(name)
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):
         raise SerializationError(f"{where}: unknown numpy dtype {name!r}") from None
     if dtype.hasobject or dtype.fields is not None or dtype.subdtype is not None:
         raise SerializationError(f"{where}: numpy dtype {name!r} is not a plain element type")

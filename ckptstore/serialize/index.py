@@ -134,9 +134,14 @@ def decode_index(data: bytes | memoryview, where: str) -> ComponentIndex:
     return ComponentIndex(tree=doc.get("tree"), entries=entries)
 
 
+#: Sizes and offsets are 64-bit signed in every format ckptstore reads; a larger number is damage
+#: (and would not even print: Python refuses to format ints of over 4,300 digits).
+_MAX_INT = (1 << 63) - 1
+
+
 def _int(value: Any, what: str, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SerializationError(f"{where}: {what} must be an integer >= {minimum}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _MAX_INT:
+        raise SerializationError(f"{where}: {what} must be an integer from {minimum} to 2**63-1")
     return value
 
 
@@ -145,6 +150,8 @@ def _entry(raw: Any, where: str) -> Entry:
         raise SerializationError(f"{where}: malformed entry")
     path, kind = raw["path"], raw.get("kind")
     where = f"{where} ({path!r})"
+    if not isinstance(kind, str):
+        raise SerializationError(f"{where}: entry kind must be a string, not {type(kind).__name__}")
     if kind in JSON_KINDS:
         value = raw.get("value")
         if kind == "dtype":
