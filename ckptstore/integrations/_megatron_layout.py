@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
+from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 
 #: The component of rank ``r`` is ``SHARD_PREFIX + str(r)``.
@@ -86,10 +88,15 @@ class Layout:
         """Parse and validate layout JSON read from storage; IntegrityError if malformed."""
         try:
             doc = json.loads(text) if isinstance(text, str) else None
-            tensors = tuple(_tensor_shard(row) for row in doc["tensors"])  # type: ignore[index]
+            tensors = tuple(_tensor_shard(row, where) for row in doc["tensors"])  # type: ignore[index]
             objects = tuple(_object_shard(row) for row in doc["objects"])  # type: ignore[index]
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise IntegrityError(f"{where}: malformed Megatron layout ({exc})") from None
+        except RecursionError:
+            raise IntegrityError(
+                f"{where}: the Megatron layout is nested deeper than any writer nests it "
+                + WRONG_METADATA
+            ) from None
         return Layout(tensors, objects)
 
     def merged(self, other: Layout) -> Layout:
@@ -102,6 +109,42 @@ class Layout:
         for shard in self.tensors:
             found.setdefault(shard.key, []).append(shard)
         return found
+
+    def check(self, components: Iterable[str], where: str) -> None:
+        """Sharding integrity, before anything is read: each tensor's shards agree on its
+        shape and dtype and tile it exactly; each object is stored once, inside its grid;
+        every shard lies in one of ``components``. ``IntegrityError`` names the key."""
+        names = set(components)
+        for key, shards in self.by_key().items():
+            what = f"{where}: tensor {key!r}"
+            first = shards[0]
+            for shard in shards:
+                if (shard.global_shape, shard.dtype) != (first.global_shape, first.dtype):
+                    raise IntegrityError(
+                        f"{what} is {first.dtype}{list(first.global_shape)} in one shard and "
+                        f"{shard.dtype}{list(shard.global_shape)} in another {WRONG_METADATA}"
+                    )
+            check_tiling(first.global_shape, [(s.offset, s.shape) for s in shards], what)
+        places: set[tuple[str, tuple[int, ...]]] = set()
+        for obj in self.objects:
+            place = (obj.key, obj.global_offset)
+            inside = len(obj.global_offset) == len(obj.global_shape) and all(
+                o < n for o, n in zip(obj.global_offset, obj.global_shape, strict=True)
+            )
+            if place in places or not inside:
+                problem = "is stored twice" if inside else "lies outside its grid"
+                raise IntegrityError(
+                    f"{where}: sharded object {obj.key!r} at {list(obj.global_offset)} of "
+                    f"{list(obj.global_shape)} {problem} {WRONG_METADATA}"
+                )
+            places.add(place)
+        stored = [(t.key, t.component) for t in self.tensors]
+        for key, component in stored + [(o.key, o.component) for o in self.objects]:
+            if component not in names:
+                raise IntegrityError(
+                    f"{where}: {key!r} is stored in {component!r}, which the checkpoint does "
+                    f"not have {WRONG_METADATA}"
+                )
 
 
 def _dims(value: object) -> tuple[int, ...]:
@@ -118,7 +161,7 @@ def _text(value: object) -> str:
     return value
 
 
-def _tensor_shard(row: Any) -> TensorShard:
+def _tensor_shard(row: Any, where: str) -> TensorShard:
     key, component, path, dtype = (_text(v) for v in row[:4])
     shard = TensorShard(key, component, path, dtype, *(_dims(v) for v in row[4:7]))
     if len(row) != 7 or not (len(shard.global_shape) == len(shard.offset) == len(shard.shape)):
@@ -127,7 +170,8 @@ def _tensor_shard(row: Any) -> TensorShard:
         o + s > g for o, s, g in zip(shard.offset, shard.shape, shard.global_shape, strict=True)
     ):
         raise ValueError(f"tensor {key!r}: a shard lies outside its global shape")
-    torch_dtype(dtype, f"tensor {key!r}")
+    itemsize = torch_dtype(dtype, f"tensor {key!r}").itemsize
+    check_shape(shard.global_shape, itemsize, f"{where}: tensor {key!r}")
     return shard
 
 

@@ -25,6 +25,7 @@ from ckptstore.integrations._megatron_layout import (
     overlap,
     tensor_box,
 )
+from ckptstore.integrations.tiling import WRONG_METADATA
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore
 from ckptstore.serialize.reader import ComponentReader
@@ -80,20 +81,26 @@ class Source:
         self.where = f"run {info.run!r}, step {info.step}"
         meta = meta_reader(store, info).load() if meta is None else meta
         self.config, self.layout = parse_meta(meta, self.where)
+        # Before anything is allocated or read: the layout as a whole (sharding integrity).
+        self.layout.check((c.name for c in info.components), self.where)
         self._tensors = self.layout.by_key()
+        self._stored_in: dict[str, list[TensorShard]] = {}
+        for shard in self.layout.tensors:
+            self._stored_in.setdefault(shard.component, []).append(shard)
         self._readers: dict[str, ComponentReader] = {}
         self._fetched: dict[tuple[str, str], torch.Tensor] = {}
 
     def reader(self, component: str) -> ComponentReader:
-        """A reader of one of the checkpoint's components (its index fetched once)."""
+        """A reader of one of the checkpoint's components (its index fetched once, and checked
+        to hold the tensor shards the layout places in it)."""
         if component not in self._readers:
             comp = next((c for c in self.info.components if c.name == component), None)
             if comp is None:
                 raise IntegrityError(f"{self.where}: the layout names a missing {component!r}")
             context = f"{self.where}, component {component!r}"
-            self._readers[component] = ComponentReader(
-                self.store, comp.index_digest, context=context
-            )
+            reader = ComponentReader(self.store, comp.index_digest, context=context)
+            check_entries(reader, self._stored_in.get(component, []))
+            self._readers[component] = reader
         return self._readers[component]
 
     def fetch(self, shard: TensorShard) -> torch.Tensor:
@@ -108,8 +115,10 @@ class Source:
         for shard in shards:
             if (shard.component, shard.path) not in self._fetched:
                 paths.setdefault(shard.component, []).append(shard.path)
+        # Every component's entries are checked before the first one's data is read.
+        readers = {component: self.reader(component) for component in paths}
         for component, wanted in paths.items():
-            for path, value in self.reader(component).load_paths(wanted).items():
+            for path, value in readers[component].load_paths(wanted).items():
                 if not isinstance(value, torch.Tensor):
                     raise IntegrityError(f"{self.where}: {component}/{path} is no tensor")
                 self._fetched[(component, path)] = value
@@ -211,3 +220,19 @@ def _entry_ids(node: Any) -> Iterator[int]:
     elif isinstance(node, list):
         for item in node:
             yield from _entry_ids(item)
+
+
+def check_entries(reader: ComponentReader, shards: Iterable[TensorShard]) -> None:
+    """Check that a rank component holds each of ``shards`` as the layout says -- a tensor of
+    its dtype and shape, so of its number of bytes -- before any of its data is read."""
+    entries = {entry.path: entry for entry in reader.entries}
+    for shard in shards:
+        entry = entries.get(shard.path)
+        stored = None if entry is None or entry.kind != "tensor" else (entry.dtype, entry.shape)
+        if stored != (shard.dtype, shard.shape):
+            found = "nothing" if entry is None else f"{entry.kind} {entry.dtype}{list(entry.shape)}"
+            raise IntegrityError(
+                f"{reader.context}: tensor {shard.key!r} at {shard.path!r} is "
+                f"{shard.dtype}{list(shard.shape)} in the layout, but {found} is stored there "
+                + WRONG_METADATA
+            )

@@ -2,7 +2,8 @@
 
 DCP's own ``FileSystemWriter`` pickles ``Metadata`` (every rank unpickles it on load). Here it
 is a JSON document stored as one value of the checkpoint's ``dcp/metadata`` component, and
-decoding it builds only DCP's plain dataclasses, validating every field first.
+decoding it builds only DCP's plain dataclasses, validating every field first -- each tensor's
+chunks must tile it exactly (:mod:`ckptstore.integrations.tiling`) before torch sees a size.
 
 The document also says where each written item lives: the rank whose component holds it and
 its position in that component's item list, and each rank component's index digest -- so a
@@ -27,7 +28,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptstore.cas.digest import check_digest
-from ckptstore.errors import CkptStoreError, SerializationError
+from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
+from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 
 FORMAT = "ckptstore/dcp-metadata"
@@ -104,9 +106,11 @@ def encode_metadata(
 
 
 def decode_metadata(text: str, where: str) -> StoredMetadata:
-    """Parse and validate a metadata document; ``SerializationError`` names what is wrong."""
+    """Parse and validate a metadata document: ``SerializationError`` names what is malformed,
+    ``IntegrityError`` a tensor whose chunks do not tile it or whose shape no tensor has (or a
+    document nested deeper than any writer nests it)."""
     try:
-        doc = json.loads(text)
+        doc = _parse(text, where)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError("not a ckptstore DCP metadata document")
         if doc.get("version") != VERSION:
@@ -116,19 +120,26 @@ def decode_metadata(text: str, where: str) -> StoredMetadata:
             )
         state: dict[str, Any] = {fqn: BytesStorageMetadata() for fqn in _strs(doc["values"])}
         for fqn, md in _dict(doc["tensors"]).items():
-            state[fqn] = _tensor_metadata(_dict(md), fqn)
+            if fqn in state:
+                raise ValueError(f"{fqn!r} is both a tensor and a plain value")
+            state[fqn] = _tensor_metadata(_dict(md), fqn, where)
+        rows = _list(doc["locations"])
         locations = {
             MetadataIndex(_str(fqn), None if offset is None else torch.Size(_ints(offset))): (
                 Location(_int(rank), _int(position))
             )
-            for fqn, offset, rank, position in _list(doc["locations"])
+            for fqn, offset, rank, position in rows
         }
-        ranks = {_int(rank): check_digest(_str(digest)) for rank, digest in _list(doc["ranks"])}
+        if len(locations) != len(rows):
+            raise ValueError("an item is given two locations")
+        ranks = {_int(rank): _digest(digest) for rank, digest in _list(doc["ranks"])}
         sm = doc.get("storage_meta")
         storage_meta = (
             None
             if sm is None
-            else StorageMeta(save_id=sm.get("save_id"), modules=_strs(sm.get("modules", [])))
+            else StorageMeta(
+                save_id=_optional_str(sm.get("save_id")), modules=_strs(sm.get("modules", []))
+            )
         )
         planner_data = doc.get("planner_data")
         metadata = Metadata(
@@ -138,29 +149,44 @@ def decode_metadata(text: str, where: str) -> StoredMetadata:
             else {_str(k): tuple(_path(v)) for k, v in _dict(planner_data).items()},
             storage_data=locations,
             storage_meta=storage_meta,
-            version=doc.get("dcp_version"),
+            version=_optional_str(doc.get("dcp_version")),
         )
+    except IntegrityError:
+        raise
     except (ValueError, TypeError, KeyError, AttributeError, CkptStoreError) as exc:
         detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
         raise SerializationError(f"{where}: malformed DCP metadata ({detail})") from None
     return StoredMetadata(metadata, ranks)
 
 
-def _tensor_metadata(md: dict[str, Any], fqn: str) -> TensorStorageMetadata:
+def _parse(text: str, where: str) -> Any:
+    """The JSON document; no deeper than Python's parser goes (the format is 5 levels deep)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise IntegrityError(
+            f"{where}: the DCP metadata is nested deeper than any writer nests it {WRONG_METADATA}"
+        ) from None
+
+
+def _tensor_metadata(md: dict[str, Any], fqn: str, where: str) -> TensorStorageMetadata:
+    """One tensor's metadata, its chunks checked to tile it (before torch sees a number)."""
     memory_format = _MEMORY_FORMATS.get(md.get("memory_format", "contiguous"))
     if memory_format is None:
         raise ValueError(f"{fqn}: unknown memory format {md.get('memory_format')!r}")
-    chunks = []
-    for offsets, sizes in _list(md["chunks"]):
-        chunks.append(ChunkStorageMetadata(torch.Size(_ints(offsets)), torch.Size(_ints(sizes))))
+    dtype = torch_dtype(_str(md["dtype"]), fqn)
+    size = _ints(md["size"])
+    boxes = [(_ints(offsets), _ints(sizes)) for offsets, sizes in _list(md["chunks"])]
+    what = f"{where}: tensor {fqn!r}"
+    check_shape(size, dtype.itemsize, what)
+    check_tiling(size, boxes, what)
     props = TensorProperties(
-        dtype=torch_dtype(_str(md["dtype"]), fqn),
+        dtype=dtype,
         requires_grad=bool(md.get("requires_grad", False)),
         memory_format=memory_format,
     )
-    return TensorStorageMetadata(
-        properties=props, size=torch.Size(_ints(md["size"])), chunks=chunks
-    )
+    chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(n)) for o, n in boxes]
+    return TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
 
 def _memory_format_name(memory_format: torch.memory_format, fqn: str) -> str:
@@ -211,6 +237,17 @@ def _str(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {type(value).__name__}")
     return value
+
+
+def _digest(value: Any) -> str:
+    try:
+        return check_digest(_str(value))
+    except CkptStoreError as exc:  # malformed text, not a damaged blob
+        raise ValueError(str(exc)) from None
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else _str(value)
 
 
 def _strs(value: Any) -> list[str]:

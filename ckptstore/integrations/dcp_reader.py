@@ -40,6 +40,7 @@ from ckptstore.integrations.dcp_metadata import (
     rank_component,
 )
 from ckptstore.integrations.dcp_planners import NoPickleLoadPlanner
+from ckptstore.integrations.dcp_validate import Expected, check_entries, expected_items, item_entry
 from ckptstore.manifest import reads
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.names import check_step
@@ -75,6 +76,8 @@ class CkptStoreReader(StorageReader):
         self.context = context or f"DCP checkpoint {metadata_digest}"
         self.max_workers = max(1, max_workers)
         self._stored: StoredMetadata | None = None
+        #: rank -> position -> what the metadata says is stored there (checked on opening).
+        self._expected: dict[int, dict[int, Expected]] = {}
         self._readers: dict[int, ComponentReader] = {}
         self._lock = threading.Lock()
 
@@ -130,10 +133,13 @@ class CkptStoreReader(StorageReader):
         return self.stored_metadata().metadata
 
     def stored_metadata(self) -> StoredMetadata:
-        """The decoded metadata document (fetched and verified once)."""
+        """The decoded metadata document (fetched, verified and validated once): each
+        tensor's chunks tile it, and each chunk and value has one location."""
         with self._lock:
             if self._stored is None:
-                self._stored = self._fetch_metadata()
+                stored = self._fetch_metadata()
+                self._expected = expected_items(stored, self.context)
+                self._stored = stored
             return self._stored
 
     def _fetch_metadata(self) -> StoredMetadata:
@@ -184,7 +190,7 @@ class CkptStoreReader(StorageReader):
         tasks: list[tuple[Entry, str, list[tuple[ReadItem, int, int]]]] = []
         for location, items in groups.items():
             reader = self._rank_reader(stored, location.rank)
-            _, entry = _item_entry(reader, location.position)
+            _, entry = item_entry(reader, location.position)
             where = with_context(reader.context, f"entry {entry.path}")
             if not entry.is_array:
                 for item in items:
@@ -236,27 +242,16 @@ class CkptStoreReader(StorageReader):
                         f"{self.context}: the metadata names no index for rank {rank}"
                     )
                 context = with_context(self.context, f"component {rank_component(rank)!r}")
-                reader = self._readers[rank] = ComponentReader(self.store, digest, context=context)
+                reader = ComponentReader(self.store, digest, context=context)
+                # Before any of its data is read: its entries are what the metadata says.
+                check_entries(reader, self._expected.get(rank, {}))
+                self._readers[rank] = reader
             return reader
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """Never picked automatically by DCP: pass the reader explicitly."""
         return False
-
-
-def _item_entry(reader: ComponentReader, position: int) -> tuple[int, Entry]:
-    """The entry (its number and itself) holding item ``position`` of a rank component (a
-    list, one entry per item)."""
-    tree = reader.index.tree
-    nodes = tree.get("l") if isinstance(tree, dict) else None
-    if not isinstance(nodes, list) or not 0 <= position < len(nodes):
-        raise IntegrityError(f"{reader.context}: no stored item {position}")
-    node = nodes[position]
-    number = node.get("e") if isinstance(node, dict) else None
-    if not isinstance(number, int) or not 0 <= number < len(reader.entries):
-        raise IntegrityError(f"{reader.context}: stored item {position} is not one entry")
-    return number, reader.entries[number]
 
 
 def _stored_text(entry: Entry, item: ReadItem, where: str) -> bytes:
@@ -414,12 +409,9 @@ def iter_full_tensors(
             continue
         chunks = []
         for chunk in md.chunks:
-            location = locations.get(MetadataIndex(fqn, chunk.offsets))
-            if location is None:
-                raise IntegrityError(
-                    f"{reader.context}: no stored chunk {tuple(chunk.offsets)} of {fqn!r}"
-                )
-            number, _ = _item_entry(reader._rank_reader(stored, location.rank), location.position)
+            # Every chunk has a location, and opening a rank's component checks its entries.
+            location = locations[MetadataIndex(fqn, chunk.offsets)]
+            number, _ = item_entry(reader._rank_reader(stored, location.rank), location.position)
             chunks.append((chunk, location.rank, number))
             numbers.setdefault(location.rank, []).append(number)
         tensors[fqn] = (md, chunks)
@@ -428,14 +420,10 @@ def iter_full_tensors(
         for rank, wanted in numbers.items()
     }
     for fqn, (md, chunks) in tensors.items():
+        # The chunks tile the tensor exactly (checked when the metadata was read): every
+        # element of ``full`` is written below.
         full = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         for chunk, rank, number in chunks:
-            value = values[rank][number]
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(chunk.sizes):
-                raise IntegrityError(
-                    f"{reader.context}: chunk {tuple(chunk.offsets)} of {fqn!r} does not match "
-                    "the metadata"
-                )
             box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
-            full[box] = value
+            full[box] = values[rank][number]
         yield fqn, full

@@ -16,8 +16,11 @@ commits them with ``megatron/meta`` (metadata.json and the layout) and ``megatro
 finalize function -- only if every rank succeeded (see ``_megatron_commit``). Loading reads
 metadata.json and the common state from the store, never a pickle: the common state dict is
 taken in memory from Megatron's own common strategy as it writes ``common.pt`` into the local
-``checkpoint_dir`` (the file is never read back) and stored through ckptstore's serializer; a
-common state that is not plain (tensors, numbers, strings, containers) is refused.
+``checkpoint_dir`` (the file is never read back; ckptstore's own private directories get
+none, see ``_megatron_scratch``) and stored through ckptstore's serializer; a common state that
+is not plain (tensors, numbers, strings, containers) is refused. Before a load or an export
+reads anything, the layout is checked as a whole (``Layout.check``: each tensor's shards tile
+it exactly), and each rank component as it is opened (its entries are what the layout says).
 """
 
 from __future__ import annotations
@@ -25,8 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[i
 
 from ckptstore.checkpointer.run import Run
 from ckptstore.errors import ConfigError, SerializationError
+from ckptstore.integrations import _megatron_scratch as scratch
 from ckptstore.integrations._megatron_commit import (
     Commit,
     Outcome,
@@ -138,18 +140,21 @@ def _local_shards(
 
 class _KeepCommonStrategy(SaveCommonStrategy):  # type: ignore[misc]
     """Megatron's own common strategy, which also hands the common state dict to ckptstore's
-    save strategy in memory: ``common.pt`` is written for Megatron's tools as before, and is
-    never read back (Megatron's ``save`` accepts no other common strategy than its default)."""
+    save strategy in memory: ``common.pt`` is written for Megatron's tools as before (except in
+    ckptstore's private directories, where no tool would look), and is never read back
+    (Megatron's ``save`` accepts no other common strategy than its default)."""
 
     def __init__(self, inner: Any) -> None:
         super().__init__(inner.backend, inner.version)
         self.inner = inner
 
     def save_common(self, common_state_dict: Any, checkpoint_dir: str | Path) -> None:
-        """Keep a copy of the common state for this save's commit, then save it as Megatron does."""
+        """Keep a copy of the common state for this save's commit, then save it as Megatron does
+        -- unless the directory is ckptstore's own, which a killed rank could leave behind."""
         if dist.get_rank() == 0:
             _kept_common[os.path.abspath(checkpoint_dir)] = copy.deepcopy(common_state_dict)
-        self.inner.save_common(common_state_dict, checkpoint_dir)
+        if not scratch.is_private(checkpoint_dir):
+            self.inner.save_common(common_state_dict, checkpoint_dir)
 
     def save_sharded_objects(self, sharded_objects_state_dict: Any, checkpoint_dir: Any) -> None:
         """As Megatron's own strategy does."""
@@ -234,7 +239,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         """Snapshot this rank's shards to host memory and return Megatron's AsyncRequest: the
         upload runs in Megatron's background process, the commit in its finalize function."""
         rank, commit = dist.get_rank(), self._commit(str(checkpoint_dir))
-        workdir = tempfile.mkdtemp(prefix="ckptstore-megatron-async-")
+        workdir = scratch.private_dir("async")
         result = os.path.join(workdir, "outcome.json")
         try:
             state, layout = _local_shards(sharded_state_dict, rank, snapshot=True)
@@ -248,7 +253,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
             try:
                 outcome = failed or read_outcome(result, rank)
             finally:
-                shutil.rmtree(workdir, ignore_errors=True)
+                scratch.remove(workdir)
             finish_save(_with_error(outcome, commit), commit, CONFIG)
 
         request.add_finalize_fn(finalize)
@@ -308,16 +313,17 @@ def save(
     """Save a Megatron sharded state dict as checkpoint ``step`` (collective, every rank).
 
     ``target`` as for :class:`CkptStoreSaveStrategy`. Megatron's local files go to
-    ``checkpoint_dir`` (default: a temporary directory, removed afterwards). Returns None, or
+    ``checkpoint_dir`` (default: a private directory under ``$TMPDIR``, removed afterwards --
+    or, if this process is killed, by the next save or load on this host). Returns None, or
     with ``async_save`` Megatron's ``AsyncRequest`` to schedule (``AsyncCallsQueue``); its
     finalize functions commit.
     """
     strategy = CkptStoreSaveStrategy(target, step, training_info=training_info, metrics=metrics)
-    directory = checkpoint_dir or tempfile.mkdtemp(prefix="ckptstore-megatron-")
+    directory = checkpoint_dir or scratch.private_dir("save")
 
     def cleanup() -> None:
         if checkpoint_dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
+            scratch.remove(directory)
 
     try:
         request = dist_checkpointing.save(
@@ -348,8 +354,9 @@ def load(
     """Load checkpoint ``step`` (default: the latest, as rank 0 sees it) into the split the
     sharded state dict asks for (collective, every rank); returns Megatron's loaded state dict.
 
-    metadata.json is staged from the store into ``checkpoint_dir`` (default: a temporary
-    directory); anything else in that directory, a ``common.pt`` included, is never read.
+    metadata.json is staged from the store into ``checkpoint_dir`` (default: a private
+    directory, as for :func:`save`); anything else in that directory, a ``common.pt``
+    included, is never read.
     """
     if step is None and dist.is_initialized():
         latest = run.latest() if dist.get_rank() == 0 else None
@@ -361,7 +368,7 @@ def load(
     sharded = CkptStoreLoadStrategy(run, loaded.info.step)
     common = CkptStoreLoadCommonStrategy(run, loaded.info.step)
     sharded._source = common._source = source
-    directory = checkpoint_dir or tempfile.mkdtemp(prefix="ckptstore-megatron-")
+    directory = checkpoint_dir or scratch.private_dir("load")
     try:
         with open(os.path.join(directory, "metadata.json"), "w", encoding="utf-8") as out:
             json.dump(source.config, out)
@@ -374,7 +381,7 @@ def load(
         )
     finally:
         if checkpoint_dir is None:
-            shutil.rmtree(directory, ignore_errors=True)
+            scratch.remove(directory)
 
 
 def iter_full_tensors(
