@@ -6,7 +6,7 @@ read-only CLI commands do not pay for torch and numpy.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptstore._lazy import lazy_exports
 from ckptstore.errors import (
@@ -25,6 +25,7 @@ from ckptstore.errors import (
     SerializationError,
     StorePermissionError,
 )
+from ckptstore.settings import package_version
 
 if TYPE_CHECKING:
     from ckptstore.cas import WriterOptions
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     )
     from ckptstore.objectstore import LocalStore, ObjectStore, S3Store, open_store
 
-__getattr__, __dir__ = lazy_exports(
+_lazy_getattr, _lazy_dir = lazy_exports(
     __name__,
     globals(),
     {
@@ -67,7 +68,19 @@ __getattr__, __dir__ = lazy_exports(
     },
 )
 
-__version__ = "0.1.0"
+
+def __getattr__(name: str) -> Any:
+    """``__version__`` (the installed package's, read on first use: the metadata lookup costs
+    tens of milliseconds), else the lazy exports above."""
+    if name == "__version__":
+        return package_version()
+    return _lazy_getattr(name)
+
+
+def __dir__() -> list[str]:
+    """The package's names, ``__version__`` included."""
+    return sorted({*_lazy_dir(), "__version__"})
+
 
 __all__ = [
     "CheckpointInfo",

@@ -8,8 +8,13 @@ line (``RUN@STEP``), used as a file name by ``export`` and printed without side 
   newlines, bidi overrides, ...), no ``@`` (it separates run and step in ``RUN@STEP``), no
   leading or trailing whitespace.
 - A **component name**: 1-255 characters, one or more ``/``-separated segments, each made of
-  letters, digits and ``._-+=:,`` and none of them ``.`` or ``..`` (``policy``,
-  ``policy/rank3``, ``optimizer/shard-0``).
+  letters and digits of any script (``str.isalnum``; a combining mark may follow one, as
+  Devanagari or Thai need) and ``._-+=:,``, none of them ``.`` or ``..`` (``policy``,
+  ``policy/rank3``, ``optimizer/shard-0``, ``策略/秩3``). The name must be in NFKC form, so no
+  compatibility look-alike of another name passes (fullwidth letters, a superscript ``²``, the
+  ligature U+FB01 for ``fi``, a decomposed ``é``); spaces, control and format characters (bidi
+  overrides, zero-width joiners) and every other punctuation are refused. So a component name is
+  a safe file path (no separator but ``/``, no traversal, no backslash) that prints as it reads.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import unicodedata
 from ckptstore.errors import ConfigError
 
 MAX_NAME_LEN = 255
-_SEGMENT = re.compile(r"[A-Za-z0-9._+=:,-]+")
+#: The punctuation a component segment may hold besides letters and digits.
+_PUNCTUATION = frozenset("._+=:,-")
+#: Combining marks: spacing (Mc) and not (Mn); enclosing ones (Me) draw over their neighbours.
+_MARKS = frozenset({"Mn", "Mc"})
 
 
 def _invisible(ch: str) -> bool:
@@ -60,18 +68,40 @@ def check_component_name(name: object) -> str:
     """``name`` if it is a valid component name; else a ConfigError naming the rule."""
     if not isinstance(name, str):
         raise ConfigError(f"component name must be a string, got {type(name).__name__}")
-    segments = name.split("/")
     if (
         not name
         or len(name) > MAX_NAME_LEN
-        or not all(_SEGMENT.fullmatch(s) and s not in (".", "..") for s in segments)
+        or not all(_segment_ok(s) and s not in (".", "..") for s in name.split("/"))
     ):
         raise ConfigError(
             f"invalid component name {printable(name)!r}: use 1-{MAX_NAME_LEN} characters in "
-            "'/'-separated segments of letters, digits and ._-+=:, (no empty, '.' or '..' "
-            "segment), e.g. 'policy' or 'policy/rank3'"
+            "'/'-separated segments of letters and digits (any script) and ._-+=:, (no empty, "
+            "'.' or '..' segment), e.g. 'policy' or 'policy/rank3'"
+        )
+    normal = unicodedata.normalize("NFKC", name)
+    if normal != name:
+        raise ConfigError(
+            f"invalid component name {printable(name)!r}: it is not in NFKC form (a fullwidth "
+            "or superscript character, a ligature or a decomposed accent, which could pass for "
+            f"another name); use {printable(normal)!r}"
         )
     return name
+
+
+def _segment_ok(segment: str) -> bool:
+    """Letters and digits, each maybe followed by combining marks, and the punctuation."""
+    after_alnum = False
+    for ch in segment:
+        if ch.isalnum():
+            after_alnum = True
+        elif unicodedata.category(ch) in _MARKS:
+            if not after_alnum:
+                return False
+        elif ch in _PUNCTUATION:
+            after_alnum = False
+        else:
+            return False
+    return bool(segment)
 
 
 _KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")

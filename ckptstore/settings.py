@@ -19,3 +19,16 @@ def default_db() -> str:
 def default_store() -> str:
     """``$CKPTSTORE_STORE``, else ``./.ckptstore/store``."""
     return os.environ.get(STORE_ENV) or str(Path(DEFAULT_ROOT) / "store")
+
+
+def package_version() -> str:
+    """This ckptstore's version, from the installed package's metadata (``0+unknown`` for a
+    source tree on ``sys.path`` that was never installed, which has none)."""
+    # Imported here: importlib.metadata costs tens of milliseconds, and only --version and
+    # ckptstore.__version__ need it.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ckptstore")
+    except PackageNotFoundError:
+        return "0+unknown"

@@ -1,10 +1,12 @@
 """``ckptstore``: look after a checkpoint store from the shell.
 
-Exit codes: 0 success, 1 a check found problems, 2 usage or configuration error, 3 a store,
-database or integrity error; an error is one line on stderr, names and paths in it escaped.
-Only ``db upgrade`` creates a database; every other command opens the database and the store
-that exist and creates neither (a mistyped path is an error, exit 2). An exception of any
-other kind is a bug and is left to propagate.
+Exit codes (:data:`ckptstore.cli.exits.MEANINGS`, printed by ``--help``): 0 success, 1 a check
+found problems, 2 usage or configuration error, 3 not found (an unknown run or step) or a store,
+database or integrity error. An error is one line on stderr, names and paths in it escaped; with
+``--json`` it is also a JSON object on stdout, ``{"error": {"type", "message", "exit_code"}}``,
+argparse's usage errors included. Only ``db upgrade`` creates a database; every other command
+opens the database and the store that exist and creates neither (a mistyped path is an error,
+exit 2). An exception of any other kind is a bug and is left to propagate.
 
 The subcommands are the modules listed in :data:`ckptstore.cli.commands.COMMANDS`; only the
 one that runs is imported.
@@ -16,31 +18,73 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from typing import NoReturn, cast
+from typing import Any, NoReturn, cast
 
 from ckptstore.cli.commands import COMMANDS, load
 from ckptstore.cli.context import CliContext
-from ckptstore.cli.exits import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from ckptstore.cli.exits import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, MEANINGS
+from ckptstore.cli.output import dumps
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import CkptStoreError, ConfigError
 from ckptstore.names import printable
+from ckptstore.settings import package_version
 
 __all__ = [
     "EXIT_ERROR",
     "EXIT_OK",
     "EXIT_PROBLEMS",
     "EXIT_USAGE",
+    "UsageExit",
     "build_parser",
     "error_line",
     "main",
 ]
 
 
+_EPILOG = "\n".join(
+    [
+        "The database and store default to $CKPTSTORE_DB / $CKPTSTORE_STORE, else",
+        "./.ckptstore/manifest.db and ./.ckptstore/store.",
+        "",
+        "exit codes:",
+        *(f"  {code}  {meaning}" for code, meaning in MEANINGS.items()),
+        "",
+        "An error is one line on stderr; with --json it is also printed on stdout as",
+        '{"error": {"type": ..., "message": ..., "exit_code": ...}}.',
+    ]
+)
+
+
+class _Version(argparse.Action):
+    """``--version``: the installed package's version, looked up only when asked (the lookup
+    would cost every command tens of milliseconds)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: object) -> None:
+        print(f"{parser.prog} {package_version()}")
+        parser.exit()
+
+
+class UsageExit(SystemExit):
+    """argparse's exit (code 2) after a usage error, with the error's one line."""
+
+    def __init__(self, message: str) -> None:
+        """The exit for ``message`` (already one escaped line)."""
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error never echoes control characters from the command line."""
+    """argparse, but a usage error never echoes control characters from the command line, and
+    ends in :class:`UsageExit` so that ``main`` can report it as JSON too."""
 
     def error(self, message: str) -> NoReturn:
-        super().error(error_line(message))
+        line = error_line(message)
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"{self.prog}: error: {line}\n")
+        raise UsageExit(line)
 
 
 def error_line(message: object) -> str:
@@ -57,9 +101,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(
         prog="ckptstore",
         description="Inspect and maintain a ckptstore checkpoint store.",
-        epilog="The database and store default to $CKPTSTORE_DB / $CKPTSTORE_STORE, else "
-        "./.ckptstore/manifest.db and ./.ckptstore/store.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
     parser.add_argument("--db", help="manifest database URL or SQLite path")
     parser.add_argument("--store", help="object store URL or directory")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
@@ -85,16 +130,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ckptstore ARGV``; returns the exit code."""
-    # First which command (``--help`` and a missing or unknown command end here), then its
-    # arguments with its own parser.
-    command = build_parser().parse_known_args(argv)[0].command
-    parser = build_parser(command)
-    args = parser.parse_args(argv)
-    for key, value in vars(args).items():
-        # Python 3.11's argparse turns an attached "--" (`--sample=--`, `-o--`) into [] and
-        # skips the option's type; no option here takes a list.
-        if isinstance(value, list):
-            parser.error(f"argument --{key.replace('_', '-')}: expected one argument")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parse(argv)
+    except UsageExit as exc:
+        if _wants_json(argv):
+            print(dumps(_error_object("UsageError", exc.message, EXIT_USAGE)))
+        raise
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -103,13 +145,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         with CliContext(args) as ctx:
             return int(args.handler(args, ctx))
     except ConfigError as exc:
-        print(f"ckptstore: error: {error_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(exc, EXIT_USAGE, args.json)
     except (CkptStoreError, KeyError) as exc:
-        print(f"ckptstore: error: {error_line(exc)}", file=sys.stderr)
-        return EXIT_ERROR
+        return _failed(exc, EXIT_ERROR, args.json)
     except BrokenPipeError:  # e.g. piped into head
         return EXIT_OK
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    # First which command (``--help``, ``--version`` and a missing or unknown command end
+    # here), then its arguments with its own parser.
+    command = build_parser().parse_known_args(argv)[0].command
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    for key, value in vars(args).items():
+        # Python 3.11's argparse turns an attached "--" (`--sample=--`, `-o--`) into [] and
+        # skips the option's type; no option here takes a list.
+        if isinstance(value, list):
+            parser.error(f"argument --{key.replace('_', '-')}: expected one argument")
+    return args
+
+
+def _failed(exc: BaseException, code: int, as_json: bool) -> int:
+    line = error_line(exc)
+    print(f"ckptstore: error: {line}", file=sys.stderr)
+    if as_json:
+        print(dumps(_error_object(type(exc).__name__, line, code)))
+    return code
+
+
+def _error_object(kind: str, message: str, code: int) -> dict[str, dict[str, object]]:
+    return {"error": {"type": kind, "message": message, "exit_code": code}}
+
+
+def _wants_json(argv: Sequence[str]) -> bool:
+    """Whether a command line that argparse refused asked for ``--json`` (or an abbreviation
+    argparse accepts), before any ``--``."""
+    options = argv[: argv.index("--")] if "--" in argv else argv
+    return any(len(a) >= 3 and "--json".startswith(a) for a in options)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,17 @@
 Every command prints through :func:`emit`: with ``--json`` the payload's records as
 ``dataclasses.asdict`` gives them (so a field added to a record appears there at once), else
 the command's text, or a table of the columns it declares.
+
+Times are shown in UTC with the zone said: ``2026-12-02 19:01:22Z`` in text, ISO 8601 with
+``+00:00`` (and microseconds) in JSON and CSV. The manifest stores UTC; SQLite hands times back
+without a zone, PostgreSQL in the session's time zone, and both are converted here.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime as dt
 import json
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -17,6 +22,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.names import printable
+
+#: What ``du`` and ``runs`` mean by their byte columns and ratios (the one definition is
+#: :class:`ckptstore.manifest.reports.Usage`), for their ``--help``.
+RATIOS_HELP = (
+    "Bytes of committed checkpoints. logical: tensor data they hold; referenced: raw bytes of "
+    "the blobs each one references (indexes and pack tables included), summed over them; "
+    "unique: those blobs' raw bytes counted once; stored: what they take in the store. "
+    "dedup = referenced / unique (1.00x: no checkpoint shares a blob with another); "
+    "compression = unique / stored."
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +108,21 @@ def cell(value: Any) -> str:
         return "-"
     if isinstance(value, float):
         return f"{value:.4g}"
+    if isinstance(value, dt.datetime):
+        return as_utc(value).strftime("%Y-%m-%d %H:%M:%SZ")
     if isinstance(value, dict | list):
-        return json.dumps(value, separators=(",", ":"), default=str)
+        return json.dumps(value, separators=(",", ":"), default=_json_value)
     return printable(value)
+
+
+def as_utc(when: dt.datetime) -> dt.datetime:
+    """``when`` in UTC; a time without a zone is taken as UTC (what the manifest stores)."""
+    return when.replace(tzinfo=dt.UTC) if when.tzinfo is None else when.astimezone(dt.UTC)
+
+
+def _json_value(value: object) -> str:
+    """What JSON cannot hold natively: a time as ISO 8601 UTC, anything else as its str."""
+    return as_utc(value).isoformat() if isinstance(value, dt.datetime) else str(value)
 
 
 def quoted(name: object) -> str:
@@ -116,8 +143,15 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def dumps(payload: Any) -> str:
-    """``payload`` as one line of JSON (times and other values as strings)."""
-    return json.dumps(payload, default=str, allow_nan=True)
+    """``payload`` as one line of JSON (times as ISO 8601 UTC, other values as strings)."""
+    return json.dumps(payload, default=_json_value, allow_nan=True)
+
+
+def csv_value(value: Any) -> Any:
+    """``value`` for a CSV cell: text escaped as in a table, times as in JSON."""
+    if isinstance(value, str):
+        return printable(value)
+    return _json_value(value) if isinstance(value, dt.datetime) else value
 
 
 class Bar:

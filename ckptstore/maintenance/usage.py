@@ -1,6 +1,9 @@
-"""Logical versus stored bytes, per run and overall (``ckptstore du``).
+"""Logical, referenced, unique and stored bytes, per run and overall (``ckptstore du``; ``ckptstore
+runs`` shows the same figures).
 
-The statements live in :mod:`ckptstore.manifest.reports`; this is the maintenance API over them.
+The statements and the one definition of the dedup and compression ratios live in
+:mod:`ckptstore.manifest.reports` (:class:`~ckptstore.manifest.reports.Usage`); this is the
+maintenance API over them.
 """
 
 from __future__ import annotations

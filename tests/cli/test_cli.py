@@ -321,6 +321,7 @@ def test_runs(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
     assert sorted(rows) == ["alpha", "beta"]
     alpha, beta = rows["alpha"], rows["beta"]
     assert (alpha["checkpoints"], alpha["committed"], alpha["failed"]) == (7, 3, 1)
+    assert (alpha["corrupt"], beta["corrupt"]) == (0, 0)
     assert (alpha["latest_step"], alpha["metric_name"], alpha["best_metric"]) == (
         7,
         "train:reward",
@@ -336,9 +337,9 @@ def test_runs(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(populated, capsys, "runs")
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].split()[:5] == ["run", "ckpts", "committed", "failed", "latest"]
-    assert lines[2].split()[:5] == ["alpha", "7", "3", "1", "7"]
-    assert lines[3].split()[:5] == ["beta", "2", "2", "0", "2"]
+    assert lines[0].split()[:6] == ["run", "ckpts", "committed", "failed", "corrupt", "latest"]
+    assert lines[2].split()[:6] == ["alpha", "7", "3", "1", "0", "7"]
+    assert lines[3].split()[:6] == ["beta", "2", "2", "0", "0", "2"]
 
 
 def test_ls(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
@@ -717,10 +718,16 @@ def test_verify_recheck_commits_restored_checkpoints_again(
     assert "REPAIRED" not in out
     assert shared_statuses(db_url, store) == {1: "corrupt", 2: "corrupt"}
 
-    # An operator restores the object; report-only recheck changes nothing.
+    # An operator restores the object; report-only recheck changes nothing, so both are still
+    # marked corrupt: still exit 1.
     store.put(key, good)
-    assert main([*base, "verify", "--recheck", "--no-mark"]) == 0
-    capsys.readouterr()
+    assert main([*base, "verify", "--recheck", "--no-mark"]) == 1
+    out = capsys.readouterr().out
+    if as_json:
+        still = [(c["run"], c["step"]) for c in json.loads(out)["still_corrupt"]]
+        assert still == [("shared", 1), ("shared", 2)]
+    else:
+        assert "2 checkpoint(s) still marked corrupt" in out
     assert shared_statuses(db_url, store) == {1: "corrupt", 2: "corrupt"}
 
     assert main([*base, "verify", "--recheck"]) == 0
@@ -793,20 +800,24 @@ def test_du(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
             all_rows = sum(b.stored_bytes for b in blobs.values())
         per_run: dict[str, set[str]] = {}
         logical: dict[str, int] = {}
+        referenced: dict[str, int] = {}
         for name in ("alpha", "beta"):
             with open_run(name, db=db, store=populated.root, writable=False) as run:
                 committed = run.checkpoints([Status.COMMITTED])
                 logical[name] = sum(c.logical_bytes for c in committed)
                 per_run[name] = set()
+                referenced[name] = 0
                 with db.read() as session:
                     for c in committed:
-                        per_run[name] |= set(
+                        refs = set(
                             session.scalars(
                                 select(CheckpointBlobRow.digest).where(
                                     CheckpointBlobRow.checkpoint_id == c.id
                                 )
                             )
                         )
+                        per_run[name] |= refs
+                        referenced[name] += sum(blobs[d].logical_bytes for d in refs)
     finally:
         db.close()
 
@@ -820,7 +831,8 @@ def test_du(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
         assert u["logical_bytes"] == logical[name]
         assert u["unique_bytes"] == sum(blobs[d].logical_bytes for d in per_run[name])
         assert u["stored_bytes"] == on_disk(per_run[name])
-        assert u["dedup_ratio"] == pytest.approx(u["logical_bytes"] / u["unique_bytes"])
+        assert u["referenced_bytes"] == referenced[name]
+        assert u["dedup_ratio"] == pytest.approx(u["referenced_bytes"] / u["unique_bytes"])
         assert u["compression_ratio"] == pytest.approx(u["unique_bytes"] / u["stored_bytes"])
     assert total["run"] == "TOTAL"
     assert total["checkpoints"] == 5

@@ -1,4 +1,5 @@
-"""``ckptstore du``: logical versus stored bytes per run, deduplication and compression."""
+"""``ckptstore du``: logical versus stored bytes per run, deduplication and compression (the
+definitions are :class:`~ckptstore.manifest.reports.Usage`'s, shared with ``runs``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import Column, emit, human_bytes, ratio, render
+from ckptstore.cli.output import RATIOS_HELP, Column, emit, human_bytes, ratio, render
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.maintenance import Usage, disk_usage
 
@@ -20,6 +21,7 @@ class RunUsage:
     run: str
     checkpoints: int
     logical_bytes: int
+    referenced_bytes: int
     unique_bytes: int
     stored_bytes: int
     dedup_ratio: float | None
@@ -32,6 +34,7 @@ class RunUsage:
             usage.name,
             usage.checkpoints,
             usage.logical_bytes,
+            usage.referenced_bytes,
             usage.unique_bytes,
             usage.stored_bytes,
             usage.dedup_ratio,
@@ -52,6 +55,7 @@ COLUMNS = (
     Column("run", "run"),
     Column("ckpts", "checkpoints"),
     Column("logical", "logical_bytes", human_bytes),
+    Column("referenced", "referenced_bytes", human_bytes),
     Column("unique", "unique_bytes", human_bytes),
     Column("stored", "stored_bytes", human_bytes),
     Column("dedup", "dedup_ratio", ratio),
@@ -63,7 +67,12 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``du``, without arguments."""
-    return sub.add_parser("du", parents=parents)
+    return sub.add_parser(
+        "du",
+        parents=parents,
+        description="Bytes of each run's committed checkpoints, and of all of them.",
+        epilog=RATIOS_HELP,
+    )
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import Column, emit, human_bytes, ratio
+from ckptstore.cli.output import RATIOS_HELP, Column, emit, human_bytes, ratio
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.manifest import reports
 
@@ -16,6 +16,7 @@ COLUMNS = (
     Column("ckpts", "checkpoints"),
     Column("committed", "committed"),
     Column("failed", "failed"),
+    Column("corrupt", "corrupt"),
     Column("latest", "latest_step"),
     Column("metric", "metric_name", lambda name: name or "-"),
     Column("best", "best_metric"),
@@ -29,7 +30,14 @@ def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
     """``runs``, without arguments."""
-    return sub.add_parser("runs", parents=parents)
+    return sub.add_parser(
+        "runs",
+        parents=parents,
+        description="One line per run: checkpoints (all, committed, failed, corrupt), the newest "
+        "committed step, the best value of the run's metric, and the bytes of its committed "
+        "checkpoints.",
+        epilog=RATIOS_HELP,
+    )
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import emit, table
+from ckptstore.cli.output import csv_value, emit, table
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.manifest.readonly import run_readonly
 from ckptstore.names import printable
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
         writer = csv.writer(out)
         # Text is escaped as in a table: a name in the manifest must not drive the terminal.
         writer.writerow([printable(c) for c in columns])
-        writer.writerows([printable(v) if isinstance(v, str) else v for v in row] for row in rows)
+        writer.writerows([csv_value(v) for v in row] for row in rows)
         sys.stdout.write(out.getvalue())
         return EXIT_OK
     emit(
