@@ -9,9 +9,11 @@ TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp clean
+.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp fuzz browser clean
 
-$(VENV)/.installed-core: pyproject.toml
+# The editable install compiles the float codec's C extension in place: a changed source
+# reinstalls (and so recompiles) it.
+$(VENV)/.installed-core: pyproject.toml ckptstore/cas/_fpcodec.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e '.[trainer,plot]'
@@ -31,8 +33,16 @@ demo: $(VENV)/.installed-core
 	$(PY) -m trainer.grpo $(DEMO_ARGS)
 
 ## test: set up (with test servers) and run the default test suite
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev browser
 	$(PY) -m pytest -m "not slow and not stress" $(PYTEST_ARGS)
+
+# tests/web drive Debian's headless Chromium through Playwright (Playwright's own browser
+# download needs the internet); installed from Debian's packages when missing (CI runs as root).
+browser:
+	@command -v chromium-headless-shell >/dev/null || command -v chromium >/dev/null || \
+	  { command -v apt-get >/dev/null && apt-get update -qq && \
+	    apt-get install -y -qq chromium-headless-shell >/dev/null; } || \
+	  { echo "install chromium-headless-shell (Debian) for tests/web"; exit 1; }
 
 ## test-slow: only the slow cases
 test-slow: $(VENV)/.installed-dev
@@ -69,6 +79,12 @@ bench-store: $(VENV)/.installed-dev
 ## bench-dcp: 2-rank DCP save/load, ckptstore against DCP's FileSystemWriter/Reader (~1 min)
 bench-dcp: $(VENV)/.installed-dev
 	$(PY) bench/bench_dcp_multirank.py
+
+## fuzz: the parsers of stored bytes (fuzz/README.md): the float decoder built with ASan +
+## UBSan (1M inputs), then the header, object, index, DCP-metadata parsers and the reference
+## decoder under memory and time limits; ~5 min; FUZZ_ARGS="--seed N" repeats a run
+fuzz: $(VENV)/.installed-dev
+	$(PY) -m fuzz $(FUZZ_ARGS)
 
 clean:
 	rm -rf $(VENV) .ckptstore .pytest_cache .mypy_cache .ruff_cache

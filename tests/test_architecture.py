@@ -32,8 +32,10 @@ LAYERS = {
     "integrations": 5,
     "testing": 5,
     "cli": 6,
+    "web": 6,
     "demo": 7,
     "__init__": 7,
+    "__main__": 7,
 }
 #: What may not see what even within the order (DESIGN §2: "objectstore knows nothing of SQL or
 #: torch; manifest knows nothing of torch; cas knows nothing of SQL").

@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "export": "write a checkpoint's components as files",
     "du": "logical vs stored bytes per run, dedup and compression",
     "plot": "plot a metric against step with checkpoint markers",
+    "serve": "a read-only web view of runs and checkpoints, with a JSON API",
 }
 
 
