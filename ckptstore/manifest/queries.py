@@ -31,9 +31,13 @@ from ckptstore.manifest.models import (
 )
 from ckptstore.manifest.records import BlobClaim, ComponentInfo
 
-#: PostgreSQL advisory lock: commits hold it shared, a GC sweep exclusively, so a sweep never
-#: deletes a blob that a commit is claiming. (SQLite writers are serialized anyway.)
-GC_LOCK_KEY = 0x636B7067  # "ckpg"
+#: What commits and GC exclude each other on (PostgreSQL): a table lock on ``gc_lease``, ROW SHARE
+#: by commits (they do not exclude each other), EXCLUSIVE by GC's mark and sweep and by marking
+#: corrupt. Not an advisory lock: any login may take any advisory lock, so a read-only user could
+#: hold GC's and stall every commit. Every mode that conflicts with these needs UPDATE, DELETE or
+#: TRUNCATE on the table, which only writers have; a reader's SELECT takes ACCESS SHARE, which
+#: conflicts with neither. (SQLite writers are serialized anyway.)
+GC_LOCK_TABLE = "gc_lease"
 
 
 def find_run(session: Session, name: str) -> RunRow | None:
@@ -108,13 +112,13 @@ def lock_run(session: Session, run_id: int, epoch: int) -> RunRow:
 def hold_gc_lock_shared(session: Session) -> None:
     """Hold off GC sweeps while this (commit) transaction lasts (PostgreSQL)."""
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SELECT pg_advisory_xact_lock_shared(:k)"), {"k": GC_LOCK_KEY})
+        session.execute(text(f"LOCK TABLE {GC_LOCK_TABLE} IN ROW SHARE MODE"))
 
 
 def hold_gc_lock_exclusive(session: Session) -> None:
     """No commit runs while this transaction lasts (SQLite: its write lock already does that)."""
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": GC_LOCK_KEY})
+        session.execute(text(f"LOCK TABLE {GC_LOCK_TABLE} IN EXCLUSIVE MODE"))
 
 
 def begin_checkpoint(session: Session, run_id: int, step: int, epoch: int, trigger: str) -> int:

@@ -17,10 +17,12 @@ import psycopg
 import pytest
 from readonly_targets import Target, assert_refused, schema_of
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from ckptstore.cli import main
-from ckptstore.manifest.queries import GC_LOCK_KEY
+from ckptstore.manifest.queries import GC_LOCK_TABLE, hold_gc_lock_exclusive
 from ckptstore.manifest.readonly import READER_ROLE
 from ckptstore.manifest.readonly.pg_calls import UsedObject, object_ids, refusal
 
@@ -101,13 +103,22 @@ def writer(pg_admin_url: str) -> Iterator[psycopg.Connection[Any]]:
         yield conn
 
 
+@pytest.fixture
+def gc_engine(pg_admin_url: str) -> Iterator[Engine]:
+    """The manifest owner's engine, for GC's own lock call."""
+    engine = create_engine(pg_admin_url)
+    yield engine
+    engine.dispose()
+
+
 def test_postgresql_a_reader_never_holds_the_gc_lock_a_writer_needs(
-    pg_target: Target, writer: psycopg.Connection[Any], capsys: pytest.CaptureFixture[str]
+    pg_target: Target, gc_engine: Engine, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The reported stall: a reader took GC's advisory lock and slept on it. While the reader's
-    query is being handled, the writer's lock attempts succeed every time."""
+    """The reported stall: a reader took an advisory lock and slept on it. `ckptstore sql`
+    refuses the call, and while the reader's query is being handled GC's exclusive lock is
+    free every time it is tried."""
     outcome: dict[str, int] = {}
-    query = f"SELECT pg_advisory_lock({GC_LOCK_KEY}) AS l, pg_sleep(2) AS s"
+    query = "SELECT pg_advisory_lock(1) AS l, pg_sleep(2) AS s"
 
     def read() -> None:
         outcome["code"] = main(["--db", pg_target.url, "sql", query, "--timeout", "5"])
@@ -116,18 +127,52 @@ def test_postgresql_a_reader_never_holds_the_gc_lock_a_writer_needs(
     reader.start()
     attempts: list[bool] = []
     while reader.is_alive() or not attempts:
-        row = writer.execute("SELECT pg_try_advisory_lock(%s)", (GC_LOCK_KEY,)).fetchone()
-        attempts.append(bool(row and row[0]))
-        writer.execute("SELECT pg_advisory_unlock_all()")
+        attempts.append(_gc_lock_free(gc_engine))
         time.sleep(0.01)
     reader.join()
     assert outcome["code"] == 2
     assert all(attempts), attempts
     assert "pg_advisory_lock(bigint) is volatile" in capsys.readouterr().err
-    # GC's own exclusive transaction lock, as a sweep takes it.
-    with writer.transaction():
-        row = writer.execute("SELECT pg_try_advisory_xact_lock(%s)", (GC_LOCK_KEY,)).fetchone()
-        assert row == (True,)
+
+
+def _gc_lock_free(engine: Engine) -> bool:
+    """Whether GC's exclusive lock (the library's own call) is had within 50 ms."""
+    with Session(engine) as session:
+        session.execute(text("SET LOCAL lock_timeout = '50ms'"))
+        try:
+            hold_gc_lock_exclusive(session)
+        except OperationalError as exc:
+            if isinstance(exc.orig, psycopg.errors.LockNotAvailable):
+                return False
+            raise
+        finally:
+            session.rollback()
+    return True
+
+
+def test_postgresql_a_reader_login_outside_ckptstore_sql_cannot_hold_off_gc_or_commits(
+    pg_target: Target, gc_engine: Engine
+) -> None:
+    """By construction, not by the query check alone: the reader login, connected directly,
+    holds every advisory lock it likes and reads every table in an open transaction, and GC's
+    lock is still free; the lock modes that would conflict with GC's or the commits' need
+    privileges the role lacks."""
+    dsn = make_url(pg_target.url).set(drivername="postgresql").render_as_string(False)
+    with psycopg.connect(dsn) as reader:
+        reader.execute("SELECT pg_advisory_lock(k) FROM generate_series(0, 64) AS k")
+        reader.execute("SELECT pg_advisory_lock(x'636B7067'::bigint)")  # the old GC key
+        for table in ("runs", "checkpoints", "blobs", "checkpoint_blobs", GC_LOCK_TABLE):
+            reader.execute(f"SELECT * FROM {table}").fetchall()
+        assert _gc_lock_free(gc_engine)
+        reader.rollback()
+        for statement in (
+            f"LOCK TABLE {GC_LOCK_TABLE} IN ROW SHARE MODE",
+            f"LOCK TABLE {GC_LOCK_TABLE} IN ACCESS EXCLUSIVE MODE",
+            f"SELECT * FROM {GC_LOCK_TABLE} FOR SHARE",
+        ):
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                reader.execute(statement)
+            reader.rollback()
 
 
 @pytest.fixture
