@@ -935,6 +935,9 @@ def scan_cli(
     return codes
 
 
+#: What each of CLI_READS exits with after ``workload``: its resume past a damaged blob leaves a
+#: checkpoint marked corrupt, which keeps ``verify`` at 1 until it is repaired or released.
+CLI_READS_EXIT = [0, 0, 0, 0, 1, 1, 0, 0, 0]
 CLI_READS = [
     ["runs"],
     ["ls", "r"],
@@ -1019,7 +1022,7 @@ def test_an_aws_secret_key_never_leaks(
         base = ["--db", sqlite_url, "--store", store.url]
         export = ["export", "r@1", str(tmp_path / "export")]
         codes = scan_cli(scanner, capsys, base, *CLI_READS, export)
-        assert codes == [0] * len(codes)
+        assert codes == [*CLI_READS_EXIT, 0]
         elsewhere = ["--db", sqlite_url, "--store", "s3://no-such-bucket-ckpt/p"]
         assert scan_cli(scanner, capsys, elsewhere, ["gc", "--dry-run"]) == [3]
         scanner.database(sqlite_url)
@@ -1104,7 +1107,7 @@ def test_a_postgresql_password_never_leaks(
             ["sql", "--allow-superuser", "SELECT * FROM no_such_table"],
         ]
         codes = scan_cli(scanner, capsys, base, *reads, *more)
-        assert codes == [0] * (len(codes) - 1) + [3]
+        assert codes == [*CLI_READS_EXIT, 0, 0, 3]
         for bad in failing_urls:
             codes = scan_cli(scanner, capsys, ["--db", bad], ["runs"], ["db", "current"])
             assert codes == [3, 3]
