@@ -5,30 +5,36 @@ module never stores or prints them. botocore's own retries are turned off so tha
 covers every request, including reading a response body that was cut short: every request goes
 through a :class:`~ckptstore.objectstore.remote.RemoteCaller`, and :func:`classify` is all this
 module tells it about botocore's exceptions.
+
+The store is split by job: this module is its face (the contract's calls, single PUTs and
+GETs); :mod:`._s3_multipart` uploads big objects in parts and sweeps abandoned uploads;
+:mod:`._s3_client` checks the configuration and builds the boto3 client; :mod:`._s3_errors`
+sorts botocore's exceptions; :mod:`._s3_body` sends a list of buffers as one request body.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import io
-import os
-import re
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
 
-import boto3
 import botocore.exceptions as bexc
-from botocore.config import Config
-from urllib3.exceptions import HTTPError as Urllib3HTTPError
 
 from ckptstore.errors import ConfigError, ObjectStoreError
 from ckptstore.names import printable
 from ckptstore.objectstore._retry import RetryPolicy
+from ckptstore.objectstore._s3_body import _PartsReader
+from ckptstore.objectstore._s3_client import _redact, check_bucket_name, make_client
+from ckptstore.objectstore._s3_errors import (
+    TruncatedResponseError,
+    _code,
+    _rejects_conditional,
+    _status,
+    classify,
+)
+from ckptstore.objectstore._s3_multipart import MultipartUploads
 from ckptstore.objectstore.base import (
     ObjectInfo,
     ObjectStore,
@@ -40,7 +46,7 @@ from ckptstore.objectstore.base import (
     uninitialized,
 )
 from ckptstore.objectstore.registry import StoreURL
-from ckptstore.objectstore.remote import Failure, Kind, RemoteCaller
+from ckptstore.objectstore.remote import RemoteCaller
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -54,62 +60,8 @@ MiB = 1 << 20
 #: steps (measured on SeaweedFS: 0.88 vs 0.42 CPU-s/GiB for 16 MiB objects).
 _READ_STEP = 1 * MiB
 
-_TRANSIENT_CODES = frozenset(
-    {
-        "SlowDown",
-        "Throttling",
-        "ThrottlingException",
-        "TooManyRequests",
-        "RequestLimitExceeded",
-        "RequestTimeout",
-        "InternalError",
-        "ServiceUnavailable",
-        "ConditionalRequestConflict",
-        "OperationAborted",
-    }
-)
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-_DENIED_CODES = frozenset(
-    {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken"}
-)
 
-
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", re.ASCII)
-_IPV4_RE = re.compile(r"\d+\.\d+\.\d+\.\d+", re.ASCII)
-
-
-def check_bucket_name(bucket: str) -> str:
-    """``bucket`` if it follows S3's naming rules, else a ConfigError that names the rule.
-
-    Checked when a store is opened, so a mistyped ``--store`` fails at once as a configuration
-    error rather than at the first request as a store error.
-    """
-    if not bucket:
-        raise ConfigError("S3Store needs a bucket name, e.g. s3://my-bucket/checkpoints")
-    if not _BUCKET_RE.fullmatch(bucket):
-        rule = (
-            "must be 3-63 characters long"
-            if not 3 <= len(bucket) <= 63
-            else "may hold only lowercase letters, digits, '.' and '-', and must start and end "
-            "with a letter or digit"
-        )
-    elif ".." in bucket:
-        rule = "must not contain '..'"
-    elif _IPV4_RE.fullmatch(bucket):
-        rule = "must not look like an IP address"
-    else:
-        return bucket
-    raise ConfigError(
-        f"invalid S3 bucket name '{printable(bucket)}': a bucket name {rule} "
-        "(e.g. s3://my-bucket/checkpoints); check --store / $CKPTSTORE_STORE"
-    )
-
-
-class TruncatedResponseError(ObjectStoreError):
-    """A response body ended before its declared length (retried as transient)."""
-
-
-class S3Store(ObjectStore):
+class S3Store(MultipartUploads, ObjectStore):
     """Objects in ``s3://bucket/prefix``.
 
     Args:
@@ -184,32 +136,16 @@ class S3Store(ObjectStore):
         self._conditional = conditional_writes
         self._conditional_lock = threading.Lock()
         if client is None:
-            endpoint = (
-                endpoint_url
-                or os.environ.get("AWS_ENDPOINT_URL_S3")
-                or os.environ.get("AWS_ENDPOINT_URL")
-            )
-            if endpoint and "@" in urlsplit(endpoint).netloc:
-                raise ConfigError(
-                    f"the S3 endpoint URL {_redact(endpoint)} embeds credentials "
-                    "(user:password@): boto3 never uses them and they would end up in logs. "
-                    "Remove them and give credentials through boto3's chain "
-                    "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ...)"
-                )
-            style = addressing_style or ("path" if endpoint else "auto")
-            config = Config(
-                retries={"total_max_attempts": 1, "mode": "standard"},
+            client = make_client(
+                endpoint_url=endpoint_url,
+                profile_name=profile_name,
+                region_name=region_name,
+                addressing_style=addressing_style,
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
                 max_pool_connections=max(16, 2 * max_concurrency),
-                s3=cast(Any, {"addressing_style": style, "payload_signing_enabled": sign_payload}),
-                # Every blob carries a BLAKE3 digest that is verified on read; botocore's CRCs
-                # would hash every byte a second time for nothing.
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
+                sign_payload=sign_payload,
             )
-            session = boto3.session.Session(profile_name=profile_name, region_name=region_name)
-            client = session.client("s3", endpoint_url=endpoint_url, config=config)
         self.client: S3Client = client
         self.endpoint = _redact(self.client.meta.endpoint_url)
         self._remote = RemoteCaller(
@@ -281,79 +217,6 @@ class S3Store(ObjectStore):
             ContentLength=size,
             **extra,
         )
-
-    def _put_multipart(self, key: str, full: str, parts: list[memoryview], size: int) -> bool:
-        # A HEAD first: for large objects it is far cheaper than uploading and being refused.
-        if self.exists(key):
-            return False
-        upload_id = self._call(
-            "starting multipart upload of",
-            key,
-            lambda: self.client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"],
-        )
-        try:
-            ranges = [(o, min(o + self.part_size, size)) for o in range(0, size, self.part_size)]
-            futures = [
-                self._parts_pool.submit(self._upload_part, key, full, upload_id, n, parts, r)
-                for n, r in enumerate(ranges, start=1)
-            ]
-            etags = [f.result() for f in futures]
-            complete: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Key": full,
-                "UploadId": upload_id,
-                "MultipartUpload": {
-                    "Parts": [{"ETag": e, "PartNumber": n} for n, e in enumerate(etags, 1)]
-                },
-            }
-            if self._conditional is not False:
-                complete["IfNoneMatch"] = "*"
-            try:
-                self._call(
-                    "completing multipart upload of",
-                    key,
-                    lambda: self.client.complete_multipart_upload(**complete),
-                )
-            except ObjectStoreError as exc:
-                cause = exc.__cause__
-                if isinstance(cause, bexc.ClientError) and _status(cause) == 412:
-                    self._abort(full, upload_id)
-                    return False
-                raise
-        except BaseException:
-            self._abort(full, upload_id)
-            raise
-        return True
-
-    def _upload_part(
-        self,
-        key: str,
-        full: str,
-        upload_id: str,
-        number: int,
-        parts: Sequence[memoryview],
-        byte_range: tuple[int, int],
-    ) -> str:
-        pieces = _slice_parts(parts, *byte_range)
-        length = byte_range[1] - byte_range[0]
-
-        def send() -> str:
-            response = self.client.upload_part(
-                Bucket=self.bucket,
-                Key=full,
-                UploadId=upload_id,
-                PartNumber=number,
-                Body=cast(Any, _PartsReader(pieces)),
-                ContentLength=length,
-            )
-            return response["ETag"]
-
-        return self._call(f"uploading part {number} of", key, send)
-
-    def _abort(self, full: str, upload_id: str) -> None:
-        # Best effort: an upload left open is invisible and expires by bucket lifecycle.
-        with contextlib.suppress(bexc.BotoCoreError, bexc.ClientError):
-            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
 
     def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
         """The object's bytes (or ``byte_range`` of them)."""
@@ -446,46 +309,6 @@ class S3Store(ObjectStore):
                 f"{first.get('Key')}: {first.get('Code')}: {first.get('Message')}"
             )
 
-    def sweep_incomplete(self, older_than: float, *, dry_run: bool = False) -> tuple[int, int]:
-        """Abort multipart uploads under this store's prefix started more than ``older_than``
-        seconds ago (their writer died; the parts cost storage until aborted)."""
-        cutoff = time.time() - older_than
-        prefix = f"{self.prefix}/" if self.prefix else ""
-        stale: list[tuple[str, str]] = []
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
-        while True:
-            page = self._call(
-                "listing multipart uploads under",
-                prefix,
-                lambda kw=dict(kwargs): self.client.list_multipart_uploads(**kw),  # type: ignore[misc]
-            )
-            for upload in page.get("Uploads", []):
-                if upload["Initiated"].timestamp() < cutoff:
-                    stale.append((upload["Key"], upload["UploadId"]))
-            if not page.get("IsTruncated"):
-                break
-            kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
-            kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
-        size = 0
-        for full, upload_id in stale:
-            parts = self._call(
-                "listing the parts of",
-                full,
-                lambda f=full, u=upload_id: self.client.list_parts(  # type: ignore[misc]
-                    Bucket=self.bucket, Key=f, UploadId=u
-                ),
-            )
-            size += sum(int(p.get("Size", 0)) for p in parts.get("Parts", []))
-            if not dry_run:
-                self._call(
-                    "aborting the multipart upload of",
-                    full,
-                    lambda f=full, u=upload_id: self.client.abort_multipart_upload(  # type: ignore[misc]
-                        Bucket=self.bucket, Key=f, UploadId=u
-                    ),
-                )
-        return len(stale), size
-
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (GC and fsck only, never on the save or resume path)."""
         root = f"{self.prefix}/" if self.prefix else ""
@@ -524,146 +347,3 @@ def open_s3_url(url: StoreURL, *, create: bool, **options: Any) -> S3Store:
             f"store URL '{printable(url.text)}' has no bucket: use s3://bucket/prefix"
         )
     return S3Store(url.parts.netloc, url.path.strip("/"), **options)
-
-
-class _PartsReader(io.RawIOBase):
-    """A seekable file over a list of buffers, so a body is sent without concatenating it."""
-
-    def __init__(self, parts: Sequence[memoryview]) -> None:
-        self._parts = [p for p in parts if p.nbytes]
-        self._size = sum(p.nbytes for p in self._parts)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return self._size
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, min(self._size, base + offset))
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        written = 0
-        for piece in _slice_parts(self._parts, self._pos, min(self._size, self._pos + len(out))):
-            out[written : written + piece.nbytes] = piece
-            written += piece.nbytes
-        self._pos += written
-        return written
-
-    def read(self, size: int | None = -1) -> bytes:
-        if size is None or size < 0:
-            size = self._size - self._pos
-        pieces = _slice_parts(self._parts, self._pos, min(self._size, self._pos + size))
-        self._pos += sum(p.nbytes for p in pieces)
-        return b"".join(pieces)
-
-
-def _slice_parts(parts: Sequence[memoryview], start: int, stop: int) -> list[memoryview]:
-    """Views of bytes ``[start, stop)`` of the concatenation of ``parts`` (no copies)."""
-    out: list[memoryview] = []
-    offset = 0
-    for part in parts:
-        end = offset + part.nbytes
-        if end > start and offset < stop:
-            out.append(part[max(start, offset) - offset : min(stop, end) - offset])
-        offset = end
-        if offset >= stop:
-            break
-    return out
-
-
-def _code(exc: bexc.ClientError) -> str:
-    return str(exc.response.get("Error", {}).get("Code", ""))
-
-
-def _status(exc: bexc.ClientError) -> int:
-    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-
-
-_CREDENTIALS_HINT = (
-    "check the credentials boto3 finds (AWS_PROFILE, AWS_ACCESS_KEY_ID, ...) "
-    "and the bucket's policy (one that demands signed request bodies needs the store option "
-    "sign_payload=True)"
-)
-_NO_CREDENTIALS_HINT = (
-    "configure them the usual boto3 way (AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, ...)"
-)
-#: Faults below the S3 protocol that a retry may heal. HTTPClientError covers
-#: ConnectionClosedError (a reset before the answer), read timeouts and a body cut short
-#: (ResponseStreamingError).
-_TRANSIENT_ERRORS = (
-    bexc.ConnectionError,
-    bexc.IncompleteReadError,
-    bexc.HTTPClientError,
-    TruncatedResponseError,
-    Urllib3HTTPError,
-    ConnectionError,
-    TimeoutError,
-)
-
-
-def classify(exc: BaseException, *, bucket: str, endpoint: str) -> Failure | None:
-    """What a botocore (or urllib3, or socket) exception means for a store on ``bucket``."""
-    if isinstance(exc, bexc.ClientError):
-        return _classify_answer(exc, bucket, endpoint)
-    if isinstance(exc, bexc.NoCredentialsError):
-        return Failure(
-            Kind.PERMISSION, detail="no AWS credentials found", hint=_NO_CREDENTIALS_HINT
-        )
-    if isinstance(exc, bexc.BotoCoreError | Urllib3HTTPError | OSError):
-        return Failure(
-            Kind.NETWORK,
-            transient=isinstance(exc, _TRANSIENT_ERRORS),
-            detail=f"{type(exc).__name__}: {exc}",
-            hint="check that the endpoint is reachable",
-        )
-    return None
-
-
-def _classify_answer(exc: bexc.ClientError, bucket: str, endpoint: str) -> Failure:
-    """What an error answer from the server means."""
-    code, status = _code(exc), _status(exc)
-    # 501 Not Implemented is a capability answer, never worth retrying.
-    transient = code in _TRANSIENT_CODES or status == 429 or (status >= 500 and status != 501)
-    if code == "NoSuchBucket":
-        return Failure(
-            Kind.STORE_NOT_FOUND,
-            transient=transient,
-            detail=f"bucket {bucket!r} does not exist at {endpoint}",
-            hint="create it or fix the store URL",
-        )
-    if code in _NOT_FOUND_CODES:
-        return Failure(Kind.NOT_FOUND, transient=transient)
-    if code in _DENIED_CODES:
-        return Failure(
-            Kind.PERMISSION,
-            transient=transient,
-            detail=f"access denied ({code})",
-            hint=_CREDENTIALS_HINT,
-        )
-    message = exc.response.get("Error", {}).get("Message", "")
-    return Failure(Kind.FAILED, transient=transient, detail=f"{code}: {message}")
-
-
-def _rejects_conditional(exc: bexc.ClientError) -> bool:
-    """Whether a failed conditional PUT means the server does not support If-None-Match."""
-    code = _code(exc)
-    return _status(exc) == 501 or code in {"NotImplemented", "InvalidArgument"}
-
-
-def _redact(url: str) -> str:
-    """The endpoint URL without any user:password part."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
