@@ -64,9 +64,20 @@ class SaveRequest:
     started_at: float
     #: The longest any participant was blocked for this save (see ``Run.save``).
     blocked: float = 0.0
+    #: A synchronous save's caller waits for the commit too: the ``perf_counter()`` instant its
+    #: blocking began (its own call, less the blocked time it brought), so the row's
+    #: ``blocked_seconds`` counts the uploads and the commit it waits for. None when async.
+    blocking_since: float | None = None
     kinds: dict[str, str] = field(default_factory=dict)
     #: Components whose content must differ from the previous committed checkpoint's.
     expect_changed: tuple[str, ...] = ()
+
+
+def blocked_now(request: SaveRequest) -> float:
+    """The save's blocked seconds as of now: a synchronous caller is still waiting."""
+    if request.blocking_since is None:
+        return request.blocked
+    return max(request.blocked, time.perf_counter() - request.blocking_since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +178,7 @@ def commit(
             "uploaded_bytes": uploaded,
             # Wall clock: receipts' instants come from other processes (workers).
             "save_seconds": max(0.0, time.time() - request.started_at),
-            "blocked_seconds": request.blocked,
+            "blocked_seconds": blocked_now(request),
         }
 
     revived = tx.commit_checkpoint(

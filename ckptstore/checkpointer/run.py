@@ -91,7 +91,8 @@ class Run:
         Timings recorded in the checkpoint's row (and ``SaveHandle.blocked_seconds``):
         ``blocked_seconds`` is the longest any participant was blocked -- this call plus the
         ``blocked_seconds`` argument (time the caller already spent blocked for this save
-        elsewhere, e.g. asking workers to snapshot), or a receipt's own blocked time if longer.
+        elsewhere, e.g. asking workers to snapshot), or a receipt's own blocked time if longer;
+        with ``async_save=False`` this call lasts until the commit, and all of it counts.
         ``save_seconds`` runs from the earliest of this call, ``started_at`` (a ``time.time()``
         instant) and every receipt's ``started_at``, to the commit.
 
@@ -129,9 +130,12 @@ class Run:
         )
         own = time.perf_counter() - started + blocked_seconds
         request.blocked = max([own, *(r.blocked_seconds for r in receipts)])
+        blocking_since = None if self.async_save else started - blocked_seconds
+        request.blocking_since = blocking_since
         handle = self._queue.submit(step, lambda: self._store(writer, request), request.blocked)
-        if not self.async_save:
+        if blocking_since is not None:
             handle.wait()
+            handle.blocked_seconds = max(request.blocked, time.perf_counter() - blocking_since)
         return handle
 
     def _store(self, writer: commit.Writer, request: commit.SaveRequest) -> CheckpointInfo:

@@ -208,3 +208,22 @@ def test_expect_changed_must_name_components_of_the_save(
     with pytest.raises(ConfigError, match=match):
         run.save(1, {"policy": weights(1)}, expect_changed=expect_changed)
     assert run.checkpoints() == []
+
+
+def test_a_synchronous_save_counts_the_uploads_and_commit_its_caller_waits_for(
+    db_url: str, store: LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With async_save=False the caller is blocked until the commit: the flush before the
+    commit (slowed here to 0.4 s) is blocked time, in the row and on the handle."""
+    real_flush = store.flush
+
+    def slow_flush() -> None:
+        time.sleep(0.4)
+        real_flush()
+
+    monkeypatch.setattr(store, "flush", slow_flush)
+    with open_run("sync", db=db_url, store=store, async_save=False) as run:
+        handle = run.save(1, {"policy": weights(1)}, blocked_seconds=0.25)
+        info = handle.wait()
+    assert info.blocked_seconds >= 0.4 + 0.25
+    assert handle.blocked_seconds >= info.blocked_seconds
