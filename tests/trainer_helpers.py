@@ -42,10 +42,28 @@ def small_config(root: Path, **extra: Any) -> TrainerConfig:
     return load_config(None, small_overrides(root, **overrides))
 
 
+#: A time budget no test run reaches by itself (``budget_stop_at`` moves the clock to it).
+LONG_BUDGET = "00:01:00:00"
+
+
 def train(
-    cfg: TrainerConfig, process_start: float | None = None
+    cfg: TrainerConfig, process_start: float | None = None, *, budget_stop_at: int | None = None
 ) -> tuple[dict[str, Any], list[str]]:
-    """Run the controller in this process to the end; returns its summary and printed lines."""
+    """Run the controller in this process to the end; returns its summary and printed lines.
+
+    ``budget_stop_at=k`` makes ``checkpoint_must_save_by`` (which must be set, e.g. to
+    LONG_BUDGET) run out exactly at step k: the deadline's clock reads the budget's end from
+    then on, so the run saves at step k and stops early, whatever the machine's speed.
+    """
     controller = Controller(cfg, time.time() if process_start is None else process_start)
+    if budget_stop_at is not None:
+        checkpointer = controller.checkpointer
+        assert checkpointer.budget is not None, "set checkpointing.checkpoint_must_save_by"
+        end = checkpointer.process_start + checkpointer.budget
+
+        def clock() -> float:
+            return end if controller.train_steps >= budget_stop_at else time.time()
+
+        checkpointer.clock = clock
     summary = asyncio.run(controller.run_training())
     return summary, controller.drain()

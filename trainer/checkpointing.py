@@ -7,13 +7,13 @@ same way and keeps its small components (dataloader, rollout state, counters) as
 save's step. The checkpoint is committed — one transaction over every receipt — once every
 upload has finished (deferred finalization: checked after each train step, forced at the next
 save and at exit). The manifest records the longest time any participant stopped training for
-the save (``blocked_seconds``) and the time from the first snapshot to the commit.
+the save (``blocked_seconds``; with ``async_save=false`` the wait for the uploads too) and the
+time from the first snapshot to the commit.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,7 +35,7 @@ from ckptstore.checkpointer import (
     open_run,
     run_info,
 )
-from ckptstore.errors import ConfigError, ForeignDatabaseError
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, ForeignDatabaseError
 from trainer.config import (
     TrainerConfig,
     architecture_changed,
@@ -46,8 +46,6 @@ from trainer.config import (
     training_config,
 )
 from trainer.errors import ResumeError
-
-log = logging.getLogger("trainer")
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
 RANKED_TRIGGERS = frozenset({"period"})
@@ -66,6 +64,8 @@ class PendingSave:
     step: int
     trigger: str
     started_at: float
+    #: perf_counter() when the save began, and the seconds its snapshots blocked training.
+    began: float
     blocked: float
     components: dict[str, Any]
     training_info: dict[str, Any]
@@ -94,6 +94,12 @@ class TrainerCheckpointer:
         #: (parent run, its newest step) when this start forks a run whose config changed.
         self.fork_parent: tuple[str, int] | None = None
         self.fork_fresh = False
+        #: The model-config keys a fork changed that change the prompts (seed, task), or None.
+        self.data_reset: str | None = None
+        #: The clock checkpoint_must_save_by is measured with (wall-clock seconds).
+        self.clock: Callable[[], float] = time.time
+        #: The run's committed steps once it is closed (what retention kept).
+        self.kept_steps: list[int] | None = None
         self.pending: PendingSave | None = None
         self.committing: SaveHandle | None = None
         self.saved_steps: list[int] = []
@@ -134,6 +140,8 @@ class TrainerCheckpointer:
         if latest is None:
             raise ResumeError(f"cannot fork run {name!r}: it has no committed checkpoint")
         self.fork_fresh = arch_changed
+        self.data_reset = ", ".join(k for k in changed if k == "seed" or k.startswith("task."))
+        self.data_reset = self.data_reset or None
         self.fork_parent = (name, latest.step)
         self.run_name = f"{name}-fork-{fingerprint(new_model)}"
         how = "from the warm-up model (fork_init=fresh)" if self.fork_fresh else "with its weights"
@@ -219,17 +227,38 @@ class TrainerCheckpointer:
             rank_triggers=RANKED_TRIGGERS,
         )
 
+    def read_parent(self) -> LoadedCheckpoint | None:
+        """On a fork's first start (no committed checkpoint of its own yet), the parent's
+        checkpoint it starts from, read before anything is stored; None otherwise."""
+        if self.fork_parent is None or self._has_checkpoint(self.run_name):
+            return None
+        name, step = self.fork_parent
+        with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
+            return parent.load(step)  # the step the fork's lineage records
+
+    def _has_checkpoint(self, name: str) -> bool:
+        """Whether ``name`` has history of its own (committed checkpoints, or corrupt ones,
+        which restore() must not silently abandon)."""
+        if run_info(name, db=self.ck.db) is None:
+            return False
+        with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as run:
+            return run.latest() is not None or bool(run.checkpoints(["corrupt"]))
+
     def restore(self) -> LoadedCheckpoint | None:
-        """The newest committed checkpoint that verifies (of this run, or of the fork's
-        parent on a fork's first start), falling back past corrupt ones; None for a new run."""
+        """The newest committed checkpoint of the run that verifies, falling back past corrupt
+        ones; None for a new run. A run whose every checkpoint is corrupt is refused unless
+        ``checkpointing.start_fresh`` (its history is never silently abandoned)."""
         assert self.run is not None
-        if self.run.latest() is not None:
-            loaded = self.run.load()
-        elif self.fork_parent is not None:
-            name, step = self.fork_parent
-            with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
-                loaded = parent.load(step)  # the step the fork's lineage records
+        try:
+            loaded = self.run.load() if self.run.latest() is not None else None
+        except CheckpointNotFoundError:  # every checkpoint failed verification
+            if not self._lost_history():
+                raise
+            loaded = None
         else:
+            if loaded is None:
+                self._lost_history()
+        if loaded is None:
             self.emit(f"new run {self.run_name!r} (forked from {self.base_name!r})")
             return None
         for step, why in loaded.skipped:
@@ -238,6 +267,26 @@ class TrainerCheckpointer:
                 f"({why}); it is marked corrupt and the run resumes from step {loaded.info.step}"
             )
         return loaded
+
+    def _lost_history(self) -> bool:
+        """Whether the run has checkpoints that are all corrupt; refused unless start_fresh."""
+        assert self.run is not None
+        steps = [c.step for c in self.run.checkpoints(["corrupt"])]
+        if not steps:
+            return False
+        name = self.run_name
+        if not self.ck.start_fresh:
+            raise ResumeError(
+                f"run {name!r} has no checkpoint to resume from: its checkpoints at steps "
+                f"{steps} are corrupt (`ckptstore show {name}@{steps[-1]}` says why). Re-run with "
+                "checkpointing.start_fresh=true to start it over from step 0 (the corrupt "
+                "checkpoints stay in its history), or choose another checkpointing.run_name"
+            )
+        self.emit(
+            f"warning: run {name!r} has no checkpoint that loads (steps {steps} are corrupt): "
+            "starting it over from step 0 (checkpointing.start_fresh=true)"
+        )
+        return True
 
     # -- saving -------------------------------------------------------------------------------
 
@@ -250,7 +299,7 @@ class TrainerCheckpointer:
             return None, False
         timeout = False
         if self.budget is not None and not self.deadline_fired and mean_step_seconds is not None:
-            elapsed = time.time() - self.process_start
+            elapsed = self.clock() - self.process_start
             if elapsed + mean_step_seconds >= self.budget:
                 self.deadline_fired = timeout = True
         if step % self.ck.save_period == 0:
@@ -271,7 +320,8 @@ class TrainerCheckpointer:
         metrics: dict[str, Any],
     ) -> float:
         """Snapshot every participant and return the seconds training was blocked here; the
-        uploads go on in the background and the commit follows when they are done."""
+        uploads go on in the background and the commit follows when they are done (with
+        ``async_save=false``: before this returns, and the wait counts as blocked)."""
         await self.flush(policy)
         started_at = time.time()
         began = time.perf_counter()
@@ -287,12 +337,13 @@ class TrainerCheckpointer:
         )
         blocked = time.perf_counter() - began
         self.pending = PendingSave(
-            step, trigger, started_at, blocked, components, training_info, metrics, buffer
+            step, trigger, started_at, began, blocked, components, training_info, metrics, buffer
         )
         self.saved_steps.append(step)
         if not self.ck.async_save:
             await self.flush(policy)
             await asyncio.to_thread(self._wait_committed)
+            blocked = time.perf_counter() - began
         return blocked
 
     async def poll(self, policy: Any) -> None:
@@ -305,8 +356,9 @@ class TrainerCheckpointer:
             await self._commit(pending, receipts)
 
     async def flush(self, policy: Any) -> None:
-        """Wait for the pending save's uploads and commit it."""
-        pending = self.pending
+        """Wait for the pending save's uploads and commit it (once: a failed flush is not
+        tried again at exit)."""
+        pending, self.pending = self.pending, None
         if pending is None:
             return
         receipts = await policy.shard_receipts.remote(True)
@@ -318,6 +370,9 @@ class TrainerCheckpointer:
         receipts = [*policy_receipts, *pending.buffer.receipts()]
         # One commit in flight: report the previous one (Run.save would wait for it anyway).
         await asyncio.to_thread(self._wait_committed)
+        # A synchronous save blocked training from its start until now (the uploads included);
+        # Run.save adds its own part.
+        blocked = pending.blocked if self.ck.async_save else time.perf_counter() - pending.began
         run = self.run
         handle = await asyncio.to_thread(
             run.save,
@@ -329,7 +384,7 @@ class TrainerCheckpointer:
             trigger=pending.trigger,
             kinds={name: KINDS[name] for name in pending.components},
             started_at=pending.started_at,
-            blocked_seconds=pending.blocked,
+            blocked_seconds=blocked,
             expect_changed=("policy",),
         )
         self.committing = handle
@@ -364,8 +419,10 @@ class TrainerCheckpointer:
 
     async def close(self, policy: Any, error: BaseException | None) -> None:
         """Commit the pending save and flush the run. A failure raises on a clean exit and is
-        attached to ``error`` otherwise (never masking it)."""
+        attached to the exception already propagating otherwise (never masking it, and never
+        printed a second time: the caller reports the one error)."""
         run = self.run
+        failure = error
         try:
             if run is not None:
                 try:
@@ -377,29 +434,32 @@ class TrainerCheckpointer:
                     await asyncio.to_thread(self._close_run, run, error)
         except Exception as flush_error:
             if error is None:
+                failure = flush_error
                 raise
-            log.exception("while handling %r, the pending checkpoint save failed too", error)
             error.add_note(f"trainer: the pending checkpoint save also failed: {flush_error!r}")
         finally:
             self.pending = None
             if self._buffer_writer is not None:
                 writer, self._buffer_writer = self._buffer_writer, None
-                await asyncio.to_thread(_close_quietly, writer, error)
+                await asyncio.to_thread(_close_writer, writer, failure)
 
     def _close_run(self, run: Run, error: BaseException | None) -> None:
         if error is None:
             info = run.finalize()
             if info is not None and self.committing is not None:
                 self._emit_saved(info)
+            self.kept_steps = [c.step for c in run.checkpoints(["committed"])]
             run.close()
         else:
             run.__exit__(type(error), error, error.__traceback__)
 
 
-def _close_quietly(writer: ShardWriter, error: BaseException | None) -> None:
+def _close_writer(writer: ShardWriter, failure: BaseException | None) -> None:
+    """Close the replay-buffer writer; its error (often the failed save's other half) is a
+    note on the exception already propagating, if there is one."""
     try:
         writer.close()
-    except Exception:
-        if error is None:
+    except Exception as exc:
+        if failure is None:
             raise
-        log.exception("closing the replay-buffer shard writer failed")
+        failure.add_note(f"trainer: closing the replay-buffer writer failed too: {exc!r}")

@@ -27,6 +27,9 @@ BACKENDS = ("ray", "local")
 FORK_INITS = ("parent", "fresh")
 #: trainer.samplers.BUILTIN and "custom" (the samplers module is not imported here).
 SAMPLERS = ("windowed", "weight_fifo", "in_order", "ready_first", "custom")
+#: What each train step measures (its printed line shows reward, buffer, staleness and kl);
+#: every one is stored with each checkpoint as ``train:<key>`` and may be the metric_name.
+TRAIN_METRICS = ("reward", "kl", "loss", "grad_norm", "clip_frac", "staleness", "buffer")
 
 
 def _at_least(value: int, floor: int, key: str, why: str = "") -> None:
@@ -199,7 +202,7 @@ class CheckpointingConfig:
     keep_latest_k: int = 2
     #: Steps that are multiples of this are kept permanently (None: no such rule).
     keep_every_n_steps: int | None = None
-    #: The metric keep_top_k ranks by.
+    #: The metric keep_top_k ranks by: "train:<key>", key one of TRAIN_METRICS.
     metric_name: str = "train:reward"
     #: Whether a larger metric is better.
     higher_is_better: bool = True
@@ -216,6 +219,10 @@ class CheckpointingConfig:
     #: How a fork whose architecture changed starts: "parent" refuses (the weights do not fit),
     #: "fresh" starts from the warm-up model and records that in the run's config.
     fork_init: str = "parent"
+    #: When the run has checkpoints but none of them loads (all corrupt), start it over from
+    #: step 0 instead of refusing; the corrupt checkpoints stay in the run's history. A run
+    #: with a loadable checkpoint resumes from it whatever this says.
+    start_fresh: bool = False
 
     def __post_init__(self) -> None:
         _at_least(self.save_period, 1, "checkpointing.save_period")
@@ -228,6 +235,30 @@ class CheckpointingConfig:
             raise ConfigurationError(
                 f"checkpointing.fork_init={self.fork_init!r} must be one of {list(FORK_INITS)}"
             )
+        prefix, _, key = self.metric_name.partition(":")
+        if prefix != "train" or key not in TRAIN_METRICS:
+            raise ConfigurationError(
+                f"checkpointing.metric_name={self.metric_name!r} is not a metric this trainer "
+                f"records: use one of {', '.join('train:' + k for k in TRAIN_METRICS)}"
+            )
+
+
+@dataclass
+class WatchdogConfig:
+    """Stops a run whose pumps wait on each other (a hang burns a whole allocation)."""
+
+    #: No train step for this many times the median time between steps: print what each pump
+    #: waits for and stop with an error (exit 1). 0 turns the watchdog off.
+    factor: float = 20.0
+    #: ...and never sooner than this many seconds without a step, so the first steps, a
+    #: resume's re-dispatch or a slow save do not trip it.
+    min_seconds: float = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.factor >= 0:
+            raise ConfigurationError(f"watchdog.factor={self.factor} must be >= 0 (0: off)")
+        if not self.min_seconds > 0:
+            raise ConfigurationError(f"watchdog.min_seconds={self.min_seconds} must be > 0")
 
 
 @dataclass
@@ -259,6 +290,7 @@ class TrainerConfig:
     async_rl: AsyncRLConfig = field(default_factory=AsyncRLConfig)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -282,7 +314,7 @@ class TrainerConfig:
 
 # Sections left out of the config recorded with a run: where it is stored, how it is logged and
 # run. A resumed run may change them.
-RUNTIME_KEYS = ("backend", "checkpointing", "logger")
+RUNTIME_KEYS = ("backend", "checkpointing", "logger", "watchdog")
 
 
 def load_config(config_file: str | Path | None, overrides: Sequence[str]) -> TrainerConfig:

@@ -6,14 +6,14 @@ group. The train pump waits until the sampler selects enough ready groups, has t
 take a train step, syncs the new weights to every rollout worker, and then asks the checkpointer
 (``trainer/checkpointing.py``) whether to save. The prompt ledger (``trainer/ledger.py``) tracks
 every prompt admitted and not yet trained on, so a resumed run trains on exactly the same prompts.
+A resume is read by ``trainer/resume.py`` and applied here before the pumps start; a watchdog
+(``trainer/watchdog.py``) stops a run whose pumps wait on each other.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,23 +25,21 @@ from trainer.checkpointing import TrainerCheckpointer
 from trainer.config import TrainerConfig
 from trainer.data import PromptStream
 from trainer.errors import ConfigurationError, ResumeError, RolloutError
-from trainer.ledger import Batch, Entry, Prompt, PromptLedger
+from trainer.ledger import PromptLedger
 from trainer.policy import Policy, supervised_warmup
-from trainer.replay import Group, ReplayBuffer, ReplayBufferError
+from trainer.replay import Group, ReplayBuffer
+from trainer.resume import Restored, read_checkpoint
+from trainer.rollouts import RolloutPump
 from trainer.samplers import make_sampler
 from trainer.task import PromptDataset
 from trainer.trace import PromptTrace
+from trainer.watchdog import StallError, Watchdog, diagnose
 from trainer.workers import PolicyWorker, RolloutWorker, policy_config
-
-log = logging.getLogger("trainer")
-
-#: Rollouts that may fail in a row (their prompts are dispatched again) before training stops.
-MAX_ROLLOUT_FAILURES = 3
 
 __all__ = ["Controller"]
 
 
-class Controller:
+class Controller(RolloutPump):
     """Owns the pumps, the replay buffer, the sampler, the prompt ledger and the counters."""
 
     def __init__(self, cfg: TrainerConfig, process_start: float) -> None:
@@ -68,9 +66,7 @@ class Controller:
         self.dataset = PromptDataset(
             self.dataset_name, cfg.data.train.num_prompts, cfg.task.num_digits, cfg.seed
         )
-        self.stream = PromptStream(
-            self.dataset, self.prompts_per_step, cfg.seed, grpo.max_num_epochs
-        )
+        self.stream = self._new_stream()
         self.ledger = PromptLedger()
         self.lines: list[str] = []
         self.checkpointer = TrainerCheckpointer(cfg, process_start, self.emit)
@@ -87,11 +83,22 @@ class Controller:
         self.stop = False
         self.stopped_early = False
         self.rollout_tasks: set[asyncio.Task[None]] = set()
+        self.launched = 0  # rollouts started (they go to the workers in turn)
         self.history: list[dict[str, Any]] = []
+        # What each pump waits for, for the watchdog's diagnosis.
+        self.watchdog = Watchdog(cfg.watchdog.factor, cfg.watchdog.min_seconds)
+        self.stalled: StallError | None = None
+        self.train_wait = "groups"
+        self.permits_wanted = 0  # > 0: the rollout pump waits for that many permits
         #: Seconds of all train steps so far, and how many (the deadline uses their mean).
         self.step_seconds_total = 0.0
         self.resumed_from: int | None = None
         self.policy: Any = None
+
+    def _new_stream(self) -> PromptStream:
+        return PromptStream(
+            self.dataset, self.prompts_per_step, self.cfg.seed, self.cfg.grpo.max_num_epochs
+        )
 
     @property
     def run_name(self) -> str:
@@ -112,9 +119,15 @@ class Controller:
     # -- setup ------------------------------------------------------------------------------------
 
     async def setup(self) -> None:
-        """Check the config against the run, warm up (once), start the workers, restore."""
+        """Check the config against the run, warm up (once), start the workers, restore. A
+        fork's parent is read first: a refusal comes before anything is trained or stored."""
         checkpointer = self.checkpointer
         await asyncio.to_thread(checkpointer.plan)
+        restored = None
+        if checkpointer.enabled:
+            parent = await asyncio.to_thread(checkpointer.read_parent)
+            if parent is not None:
+                restored = self._read(parent, checkpointer.data_reset)
         base_weights = await asyncio.to_thread(self._base_weights)
         cfg = self.cfg
         store = cfg.checkpointing.store if checkpointer.enabled else None
@@ -127,9 +140,11 @@ class Controller:
         self.permits = asyncio.Semaphore(self.capacity)
         if checkpointer.enabled:
             await asyncio.to_thread(checkpointer.open)
-            loaded = await asyncio.to_thread(checkpointer.restore)
-            if loaded is not None:
-                await self._restore(loaded)
+            if restored is None:
+                loaded = await asyncio.to_thread(checkpointer.restore)
+                restored = None if loaded is None else self._read(loaded)
+            if restored is not None:
+                await self._apply(restored)
         await self._sync_weights(self.train_steps)
 
     def _base_weights(self) -> dict[str, torch.Tensor]:
@@ -146,128 +161,45 @@ class Controller:
 
     # -- resume -----------------------------------------------------------------------------------
 
-    async def _restore(self, loaded: LoadedCheckpoint) -> None:
-        """Counters, dispatch index, dataloader, buffer, permits — all before the pumps start."""
-        info, state = loaded.info, loaded.state
-        training = info.training_info or {}
-        where = f"run {info.run!r} step {info.step}"
-        self._check_group_size(training, where)
-        step = int(training["current_step"])
+    def _read(self, loaded: LoadedCheckpoint, data_reset: str | None = None) -> Restored:
+        return read_checkpoint(loaded, self.cfg, self.sampler.name, self._new_stream, data_reset)
+
+    async def _apply(self, restored: Restored) -> None:
+        """Take over what a checkpoint restores (trainer/resume.py), before the pumps start."""
+        step = restored.step
         self.train_steps = step
-        self.consumed_samples = int(training.get("consumed_samples", 0))
-        self.consumed_generations = int(
-            training.get("consumed_generations", self.consumed_samples * self.group_size)
-        )
-        self.total_valid_tokens = int(training.get("total_valid_tokens", 0))
-        await self._restore_policy(info.run, where, state)
-        rollout = state.get("rollout_state") or {}
-        same_data = training.get("dataset_name") == self.dataset_name
-        self._restore_stream(where, state, training, same_data)
-        restored = self._restore_buffer(where, state, training)
-        for _ in restored:
+        self.consumed_samples = restored.consumed_samples
+        self.consumed_generations = restored.consumed_generations
+        self.total_valid_tokens = restored.total_valid_tokens
+        await self._restore_policy(restored)
+        self.stream, self.buffer, self.ledger = restored.stream, restored.buffer, restored.ledger
+        for _ in restored.buffer.groups:  # one capacity permit per restored group
             await self.permits.acquire()
-        ready = {g.group_id for g in restored}
-        if same_data:
-            self.ledger.load_state_dict(rollout, ready, where)
-        else:
-            self.ledger.next_group_id = int(rollout.get("next_group_id", 0))
-        for group in restored:  # groups whose prompts belong to another dataset
-            self.ledger.adopt(
-                group.group_id, group.prompt_id, group.dispatch_index, group.target_step
-            )
-        # The dispatch index as saved: deriving it from the step (the reference's rule) makes
-        # fresh batches reuse re-dispatched batches' indices (DESIGN.md §9.5).
-        saved_index = rollout.get("dispatch_index")
-        if same_data and saved_index is not None:
-            self.sampler.dispatch_index = int(saved_index)
-        else:
-            self.sampler.set_dispatch_index(step)
-        self.resumed_from = info.step
+        self.sampler.dispatch_index = restored.dispatch_index
+        self.resumed_from = step
         self.trace.resume(step)
+        for group_id, prompt_id in restored.skipped:
+            self.trace.drop(step, group_id, prompt_id, "skipped")
+        for line in restored.warnings:
+            self.emit(line)
         self.emit(
-            f"resumed run {info.run!r} from step {info.step}: {len(restored)} buffered groups, "
-            f"{len(self.ledger.redispatch)} prompts to re-dispatch"
+            f"resumed run {restored.run!r} from step {step}: {len(self.buffer)} buffered "
+            f"groups, {len(self.ledger.redispatch)} prompts to re-dispatch"
         )
 
-    def _check_group_size(self, training: dict[str, Any], where: str) -> None:
-        saved = training.get("num_generations_per_prompt")
-        if saved is not None and int(saved) != self.group_size:
-            raise ResumeError(
-                f"{where} was trained with grpo.num_generations_per_prompt={saved}, the config "
-                f"says {self.group_size}: its replay buffer and advantages assume groups of "
-                f"{saved}. Set grpo.num_generations_per_prompt={saved}, or start a new run "
-                "(checkpointing.run_name)"
-            )
-
-    async def _restore_policy(self, run: str, where: str, state: dict[str, Any]) -> None:
-        save_optimizer = self.cfg.checkpointing.save_optimizer
-        optimizer = state.get("optimizer") if save_optimizer else None
-        if save_optimizer and optimizer is None:
-            log.warning("%s has no optimizer state: the optimizer starts fresh", where)
-            self.emit(f"warning: {where} has no optimizer state: the optimizer starts fresh")
-        fits = await self.policy.load.remote(state["policy"], optimizer)
-        if fits:
+    async def _restore_policy(self, restored: Restored) -> None:
+        if await self.policy.load.remote(restored.policy, restored.optimizer):
             return
-        if run == self.run_name:
+        if restored.run == self.run_name:
             raise ResumeError(
-                f"{where}: the saved policy does not fit the configured model; the run's "
-                "model config must not change (set checkpointing.fork=true to fork it)"
+                f"{restored.where}: the saved policy does not fit the configured model; the "
+                "run's model config must not change (set checkpointing.fork=true to fork it)"
             )
         self.emit(
             f"the fork {self.run_name!r} starts from the warm-up model "
             f"{self.checkpointer.base_name!r} (fork_init=fresh) and keeps the training state "
-            f"of {where}"
+            f"of {restored.where}"
         )
-
-    def _restore_stream(
-        self, where: str, state: dict[str, Any], training: dict[str, Any], same_data: bool
-    ) -> None:
-        if "dataloader" not in state:
-            raise ResumeError(
-                f"{where} has no dataloader state, so resuming would replay or skip prompts; "
-                "load an older checkpoint or start a new run (checkpointing.run_name)"
-            )
-        if not same_data:
-            log.warning(
-                "data.train.dataset_name changed from %r to %r: the dataloader starts fresh",
-                training.get("dataset_name"),
-                self.dataset_name,
-            )
-            self.emit(
-                f"warning: dataset changed ({training.get('dataset_name')!r} -> "
-                f"{self.dataset_name!r}): starting the dataloader fresh"
-            )
-            return
-        try:
-            self.stream.load_state_dict(state["dataloader"])
-        except ValueError as exc:
-            raise ResumeError(
-                f"{where}: its dataloader state cannot be resumed ({exc}); start a new run "
-                "(checkpointing.run_name) or load a checkpoint saved by this trainer version"
-            ) from None
-
-    def _restore_buffer(
-        self, where: str, state: dict[str, Any], training: dict[str, Any]
-    ) -> list[Group]:
-        saved_sampler = training.get("sampler_name")
-        if "replay_buffer" not in state:
-            return []
-        if saved_sampler != self.sampler.name:
-            log.warning(
-                "the checkpoint's sampler %r differs from the configured %r: its replay buffer "
-                "is not restored",
-                saved_sampler,
-                self.sampler.name,
-            )
-            self.emit(
-                f"warning: sampler changed ({saved_sampler!r} -> {self.sampler.name!r}): "
-                "skipping the saved replay buffer"
-            )
-            return []
-        try:
-            return self.buffer.load_state_dict(state["replay_buffer"])
-        except ReplayBufferError as exc:
-            raise ResumeError(f"{where}: its replay buffer cannot be restored: {exc}") from None
 
     # -- the pumps ------------------------------------------------------------------------------
 
@@ -283,20 +215,35 @@ class Controller:
                     f"{self.train_steps + 100})."
                 )
                 self.stop = True
-            rollout = asyncio.create_task(self._rollout_pump())
-            try:
-                await self._train_pump()
-            finally:
-                self.stop = True
-                rollout.cancel()
-                for task in list(self.rollout_tasks):
-                    task.cancel()
-                await asyncio.gather(rollout, *self.rollout_tasks, return_exceptions=True)
+            await self._run_pumps()
         except BaseException as exc:
             await self._shutdown(exc)
             raise
         await self._shutdown(None)
         return self.summary()
+
+    async def _run_pumps(self) -> None:
+        """Both pumps and the watchdog, which cancels the train pump when it stalls."""
+        rollout = asyncio.create_task(self._rollout_pump())
+        train = asyncio.create_task(self._train_pump())
+        self.watchdog.restart()
+        watch = asyncio.create_task(self.watchdog.watch(lambda idle: self._stall(idle, train)))
+        try:
+            await train
+        except asyncio.CancelledError:
+            if self.stalled is None:
+                raise
+        finally:
+            self.stop = True
+            for task in (rollout, watch, *self.rollout_tasks):
+                task.cancel()
+            await asyncio.gather(rollout, watch, *self.rollout_tasks, return_exceptions=True)
+        if self.stalled is not None:
+            raise self.stalled
+
+    def _stall(self, idle: float, train: asyncio.Task[None]) -> None:
+        self.stalled = StallError(diagnose(self, self.watchdog, idle))
+        train.cancel()
 
     async def _shutdown(self, error: BaseException | None) -> None:
         try:
@@ -308,129 +255,25 @@ class Controller:
 
     def summary(self) -> dict[str, Any]:
         """What the run did, for the driver and the tests."""
+        ck = self.cfg.checkpointing
         return {
             "run": self.run_name,
             "train_steps": self.train_steps,
             "consumed_samples": self.consumed_samples,
             "consumed_generations": self.consumed_generations,
             "saved_steps": list(self.checkpointer.saved_steps),
+            "kept_steps": self.checkpointer.kept_steps,
+            "store": ck.store if ck.enabled else None,
+            "db": ck.db if ck.enabled else None,
             "resumed_from": self.resumed_from,
             "stopped_early": self.stopped_early,
             "history": list(self.history),
         }
 
-    async def _notify(self) -> None:
-        async with self._cond:
-            self._cond.notify_all()
-
-    async def _wait_until(self, predicate: Callable[[], bool]) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.stop or predicate())
-
-    def _next_batch(self) -> Batch | None:
-        """Admit the next batch from the prompt stream (None when the data is exhausted)."""
-        prompt_ids = self.stream.next_batch()
-        if prompt_ids is None:
-            return None
-        target = self.sampler.admit(self.train_steps)
-        return self.ledger.admit(self.sampler.dispatch_index, target, prompt_ids.tolist())
-
-    def _may_admit(self) -> bool:
-        max_inflight = self.cfg.async_rl.max_inflight_prompts
-        return (
-            not self.exhausted
-            and self.sampler.can_admit(self.train_steps)
-            and self.ledger.inflight + self.prompts_per_step <= max_inflight
-        )
-
     def _mean_step_seconds(self) -> float | None:
         """The mean train-step time of this process so far (None before its first step)."""
         done = self.train_steps - (self.resumed_from or 0)
         return self.step_seconds_total / done if done > 0 else None
-
-    async def _rollout_pump(self) -> None:
-        worker = 0
-        while not self.stop:
-            # Prompts to dispatch again (restored, or whose rollout failed) go first and are
-            # not gated: they were admitted already.
-            await self._wait_until(lambda: bool(self.ledger.redispatch) or self._may_admit())
-            if self.stop:
-                return
-            todo = self.ledger.take_redispatch()
-            if not todo:
-                batch = self._next_batch()
-                if batch is None:
-                    self.exhausted = True
-                    await self._notify()
-                    continue
-                todo = [(batch, p) for p in batch.prompts]
-            for batch, prompt in todo:
-                await self.permits.acquire()
-                self.buffer.reserve(
-                    prompt.group_id,
-                    prompt_id=prompt.prompt_id,
-                    dispatch_index=batch.dispatch_index,
-                    start_weight=self.train_steps,
-                    target_step=batch.target_step,
-                )
-                self.ledger.dispatched(prompt)
-            handle = self.rollout_workers[worker % len(self.rollout_workers)]
-            worker += 1
-            task = asyncio.create_task(self._rollout(handle, todo))
-            self.rollout_tasks.add(task)
-            task.add_done_callback(self.rollout_tasks.discard)
-
-    async def _rollout(self, worker: Any, todo: list[Entry]) -> None:
-        requests = [
-            {"group_id": p.group_id, "digits": self.dataset.digits[p.prompt_id].tolist()}
-            for _, p in todo
-        ]
-        try:
-            results = await worker.generate.remote(requests)
-        except BaseException as exc:
-            await self._rollout_failed(todo, exc)
-            raise
-        self.rollout_failures = 0
-        for (_, prompt), result in zip(todo, results, strict=True):
-            if prompt.group_id in self.ledger.aborted:
-                self._drop(prompt, "aborted")
-                continue
-            self.buffer.commit(
-                prompt.group_id,
-                sample_ids=result["sample_ids"],
-                seq_lens=result["seq_lens"],
-                weight_versions=result["weight_versions"],
-                payload=result["payload"],
-                end_weight=self.train_steps,
-            )
-            self.ledger.ready(prompt)
-        await self._notify()
-
-    async def _rollout_failed(self, todo: list[Entry], exc: BaseException) -> None:
-        cancelled = isinstance(exc, asyncio.CancelledError)
-        for _, prompt in todo:
-            self._drop(prompt, None if cancelled else "failed")
-        if not cancelled:
-            self.rollout_failures += 1
-            if self.rollout_failures >= MAX_ROLLOUT_FAILURES:
-                self.fatal = exc
-                self.stop = True
-            else:
-                log.warning("rollout failed (%r); its prompts are dispatched again", exc)
-                self.ledger.requeue(todo)
-        await self._notify()
-
-    def _drop(self, prompt: Prompt, reason: str | None) -> None:
-        """Forget a prompt's group (failed, aborted, evicted or cancelled) and free its permit."""
-        try:
-            self.buffer.rollback(prompt.group_id)
-        except KeyError:
-            pass
-        else:
-            self.permits.release()
-        self.ledger.forget(prompt.group_id)
-        if reason is not None:
-            self.trace.drop(self.train_steps, prompt.group_id, prompt.prompt_id, reason)
 
     def _evict(self) -> None:
         v = self.train_steps
@@ -462,6 +305,7 @@ class Controller:
                 chosen = self._selectable()
                 return chosen is not None
 
+            self.train_wait = "groups"
             await self._wait_until(ready)
             if self.fatal is not None:
                 raise RolloutError(
@@ -473,6 +317,7 @@ class Controller:
             if not chosen:  # rollouts exhausted and nothing left to train on
                 break
             await self._train_on(chosen, started)
+            self.watchdog.stepped()
             if self.stopped_early:
                 return
         self.checkpointer.report()
@@ -491,29 +336,38 @@ class Controller:
             self.ledger.forget(group.group_id)
             self.permits.release()
         data: TensorDict = torch.cat([payload for _, payload in taken])  # type: ignore[assignment]
+        self.train_wait = f"the policy worker's train step {version + 1}"
         stats = await self.policy.train_step.remote(data)
         # The new version becomes visible to the rollout pump only once every worker has it.
+        self.train_wait = f"the rollout workers to take weight version {version + 1}"
         await self._sync_weights(version + 1)
         self.train_steps = version + 1
         self.consumed_samples += len(groups)
         self.consumed_generations += int(data.batch_size[0])
         self.total_valid_tokens += int(stats["tokens"])
-        reward = float(data["rewards"].mean())
-        staleness = float((version - data["weight_version"]).float().mean())
+        metrics = {
+            "reward": float(data["rewards"].mean()),
+            **{key: float(stats[key]) for key in ("kl", "loss", "grad_norm", "clip_frac")},
+            "staleness": float((version - data["weight_version"]).float().mean()),
+            "buffer": float(len(self.buffer)),
+        }
         self.history.append(
             {
                 "step": self.train_steps,
-                "reward": reward,
+                "reward": metrics["reward"],
                 "prompt_ids": [g.prompt_id for g in groups],
+                "metrics": metrics,
             }
         )
         self.step_seconds_total += time.perf_counter() - started
         await self._notify()
-        save_note = await self._checkpoint(reward)
+        self.train_wait = f"the checkpoint save of step {self.train_steps}"
+        save_note = await self._checkpoint(metrics)
         if self.train_steps % self.cfg.logger.print_every == 0 or save_note:
             self.emit(
-                f"step {self.train_steps:>4} | reward {reward:.3f} | buffer {len(self.buffer):>3} "
-                f"| staleness {staleness:.2f} | kl {stats['kl']:.4f}{save_note}"
+                f"step {self.train_steps:>4} | reward {metrics['reward']:.3f} | buffer "
+                f"{metrics['buffer']:>3.0f} | staleness {metrics['staleness']:.2f} | kl "
+                f"{metrics['kl']:.4f}{save_note}"
             )
         if self.stopped_early:
             checkpointer = self.checkpointer
@@ -524,7 +378,7 @@ class Controller:
                 "same command to resume."
             )
 
-    async def _checkpoint(self, reward: float) -> str:
+    async def _checkpoint(self, metrics: dict[str, float]) -> str:
         """Commit a finished save, and save this step if a trigger fires."""
         checkpointer = self.checkpointer
         if not checkpointer.enabled:
@@ -536,7 +390,6 @@ class Controller:
         trigger, stop = checkpointer.trigger(self.train_steps, self._mean_step_seconds(), last)
         if trigger is None:
             return ""
-        metric = self.cfg.checkpointing.metric_name
         blocked = await checkpointer.save(
             trigger,
             self.train_steps,
@@ -546,24 +399,25 @@ class Controller:
                 "dataloader": self.stream.state_dict(),
                 "rollout_state": self.ledger.state_dict(self.sampler.dispatch_index),
             },
-            training_info=self._training_info(reward),
-            metrics={metric: reward},
+            training_info=self._training_info(metrics),
+            metrics={f"train:{key}": value for key, value in metrics.items()},
         )
         self.stopped_early = stop
         return f" | save ({trigger}) blocked {blocked:.3f}s"
 
-    def _training_info(self, reward: float) -> dict[str, Any]:
+    def _training_info(self, metrics: dict[str, float]) -> dict[str, Any]:
+        metric_name = self.cfg.checkpointing.metric_name
         return {
             "consumed_samples": self.consumed_samples,
             "consumed_generations": self.consumed_generations,
             "current_step": self.train_steps,
             "current_epoch": self.stream.epoch,
-            "total_steps": self.max_steps,
+            "total_steps": self.train_steps,  # steps taken, as the reference records
             "total_valid_tokens": self.total_valid_tokens,
             "sampler_name": self.sampler.name,
             "dataset_name": self.dataset_name,
             "num_generations_per_prompt": self.group_size,
-            self.cfg.checkpointing.metric_name: reward,
+            metric_name: metrics[metric_name.partition(":")[2]],
         }
 
     async def _sync_weights(self, version: int) -> None:

@@ -15,6 +15,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import logging  # noqa: E402
 import os  # noqa: E402
+import shlex  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -132,10 +133,50 @@ def main(argv: list[str] | None = None) -> int:
     state = "stopped early" if summary["stopped_early"] else "finished"
     print(
         f"{state}: run {summary['run']!r} at step {summary['train_steps']} "
-        f"({summary['consumed_samples']} prompts, {summary['consumed_generations']} samples); "
-        f"checkpoints at steps {summary['saved_steps']}"
+        f"({summary['consumed_samples']} prompts, {summary['consumed_generations']} samples)"
     )
+    if summary["db"] is not None:
+        print("\n".join(where_lines(summary)))
     return 0
+
+
+def where_lines(summary: dict[str, Any]) -> list[str]:
+    """What this process saved, what the run keeps, where it is and how to look at it."""
+    saved, kept = summary["saved_steps"], summary["kept_steps"]
+    run, db, store = summary["run"], summary["db"], summary["store"]
+    if not saved:
+        shown = "no checkpoint"
+    elif len(saved) <= 10:
+        shown = f"steps {saved}"
+    else:
+        shown = f"{len(saved)} checkpoints (steps {saved[0]}..{saved[-1]})"
+    lines = [
+        f"this process saved {shown}; the run keeps steps {kept} (retention: "
+        "checkpointing.keep_top_k, keep_latest_k)",
+        f"the run is in the store {store} and the manifest database {db}; to look at it:",
+    ]
+    command = _cli_command(db, store)
+    lines += [f"  {command} runs", f"  {command} ls {shlex.quote(run)}"]
+    return lines
+
+
+def _cli_command(db: str, store: str) -> str:
+    """The ``ckptstore`` command of this environment, with --db/--store unless they are the
+    defaults it would use anyway."""
+    from ckptstore.settings import default_db, default_store
+
+    cli = Path(sys.executable).with_name("ckptstore")
+    command = "ckptstore"
+    if cli.exists():
+        cwd = Path.cwd()
+        command = str(cli.relative_to(cwd)) if cli.is_relative_to(cwd) else str(cli)
+    if _resolved(db) != _resolved(default_db()) or _resolved(store) != _resolved(default_store()):
+        command += f" --db {shlex.quote(db)} --store {shlex.quote(store)}"
+    return command
+
+
+def _resolved(location: str) -> str:
+    return location if "://" in location else str(Path(location).resolve())
 
 
 def _known_error(exc: BaseException) -> BaseException | None:

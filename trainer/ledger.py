@@ -1,11 +1,15 @@
 """The prompt ledger: every prompt admitted and not yet trained on or dropped (exactly-once).
 
 A prompt is admitted in a batch (the unit the sampler's dispatch index counts), dispatched to a
-rollout worker, becomes ready when its group is committed to the replay buffer, and leaves the
-ledger when it is trained on or dropped. A prompt whose rollout failed goes back to the
-re-dispatch queue. The ledger's state (the rollout state in a checkpoint) lists the outstanding
-prompts in dispatch order with the sampler's dispatch index, so a resumed run dispatches exactly
-the prompts, batches and indices the uninterrupted run would have (DESIGN.md §9.5-§9.6).
+rollout worker at some weight version (its start weight), becomes ready when its group is
+committed to the replay buffer, and leaves the ledger when it is trained on or dropped. A prompt
+whose rollout failed goes back to the re-dispatch queue (and starts at the weights of its next
+dispatch). The ledger's state (the rollout state in a checkpoint) lists the outstanding prompts
+in dispatch order with their start weights and the sampler's dispatch index, so a resumed run
+dispatches exactly the prompts, batches and indices the uninterrupted run would have, and its
+sampler sees the same start weights: a prompt in flight at the save is not made younger by
+its re-dispatch, so it is evicted, aborted and ordered as it would have been (DESIGN.md
+§9.5-§9.6).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from trainer.errors import ResumeError
 
 @dataclass(eq=False)
 class Prompt:
-    """One admitted prompt: its group id, its dataset id and where it is."""
+    """One admitted prompt: its group id, its dataset id, where it is and, once dispatched, the
+    weight version its rollout started at."""
 
     group_id: int
     prompt_id: int
     state: str = "waiting"  # waiting -> inflight -> ready; removed once trained or dropped
+    start_weight: int | None = None
 
 
 @dataclass(eq=False)
@@ -65,9 +71,10 @@ class PromptLedger:
         self.redispatch.clear()
         return todo
 
-    def dispatched(self, prompt: Prompt) -> None:
-        """The prompt's rollout started."""
+    def dispatched(self, prompt: Prompt, start_weight: int) -> None:
+        """The prompt's rollout started, at weight version ``start_weight``."""
         prompt.state = "inflight"
+        prompt.start_weight = start_weight
         self.inflight += 1
 
     def ready(self, prompt: Prompt) -> None:
@@ -96,11 +103,13 @@ class PromptLedger:
         """Prompts whose rollout failed: outstanding again, dispatched again first."""
         for batch, prompt in entries:
             prompt.state = "waiting"
+            prompt.start_weight = None
             self._register(batch, prompt)
             self.redispatch.append((batch, prompt))
 
     def state_dict(self, dispatch_index: int) -> dict[str, Any]:
-        """The rollout state: outstanding prompts in dispatch order, and the dispatch index."""
+        """The rollout state: outstanding prompts in dispatch order as ``[group id, prompt id,
+        start weight or None]``, and the dispatch index."""
         unique = {id(batch): batch for batch, _ in self.outstanding.values()}
         order = sorted(unique.values(), key=lambda b: (b.dispatch_index, b.prompts[0].group_id))
         return {
@@ -110,7 +119,7 @@ class PromptLedger:
                 {
                     "dispatch_index": batch.dispatch_index,
                     "target_step": batch.target_step,
-                    "prompts": [[p.group_id, p.prompt_id] for p in batch.prompts],
+                    "prompts": [[p.group_id, p.prompt_id, p.start_weight] for p in batch.prompts],
                 }
                 for batch in order
             ],
@@ -118,13 +127,15 @@ class PromptLedger:
 
     def load_state_dict(self, state: Mapping[str, Any], ready: set[int], where: str) -> None:
         """Restore outstanding prompts; those in ``ready`` (restored groups) need no rollout,
-        the others are queued for re-dispatch in their saved order."""
+        the others are queued for re-dispatch in their saved order, keeping their start weights
+        (a rollout state saved before start weights were recorded has none: such prompts start
+        at the weights of their re-dispatch)."""
         try:
             batches = [
                 (
                     int(saved["dispatch_index"]),
-                    None if saved["target_step"] is None else int(saved["target_step"]),
-                    [(int(g), int(p)) for g, p in saved["prompts"]],
+                    _optional_int(saved["target_step"]),
+                    [_saved_prompt(entry) for entry in saved["prompts"]],
                 )
                 for saved in state.get("batches", [])
             ]
@@ -137,10 +148,9 @@ class PromptLedger:
         self.next_group_id = max(self.next_group_id, next_group_id)
         for dispatch_index, target_step, prompts in batches:
             batch = Batch(dispatch_index, target_step)
-            for group_id, prompt_id in prompts:
-                prompt = Prompt(group_id, prompt_id)
+            for prompt in prompts:
                 self._register(batch, prompt)
-                if group_id in ready:
+                if prompt.group_id in ready:
                     prompt.state = "ready"
                 else:
                     self.redispatch.append((batch, prompt))
@@ -153,3 +163,15 @@ class PromptLedger:
     def _register(self, batch: Batch, prompt: Prompt) -> None:
         batch.prompts.append(prompt)
         self.outstanding[prompt.group_id] = (batch, prompt)
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _saved_prompt(entry: Any) -> Prompt:
+    """``[group id, prompt id]`` or ``[group id, prompt id, start weight or None]``."""
+    if len(entry) not in (2, 3):
+        raise ValueError(f"a saved prompt is [group, prompt, start weight], not {entry!r}")
+    start_weight = _optional_int(entry[2]) if len(entry) == 3 else None
+    return Prompt(int(entry[0]), int(entry[1]), start_weight=start_weight)

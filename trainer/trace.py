@@ -6,7 +6,8 @@ JSON lines, appended across resumes and flushed line by line:
   written before step N's update (so a run killed during the update still shows it);
 - ``{"event": "drop", "step": N, "group_id": g, "prompt_id": p, "reason": R}`` for every prompt
   dropped, with R one of ``evicted`` (stale for the sampler), ``aborted`` (its rollout finished
-  after the sampler gave it up) or ``failed`` (its rollout failed; it is dispatched again);
+  after the sampler gave it up), ``failed`` (its rollout failed; it is dispatched again) or
+  ``skipped`` (a resume did not carry it over: the sampler or the data changed);
 - ``{"event": "resume", "step": N}`` when a run resumes from step N.
 
 A step that a killed run trained and the resumed run trained again appears twice; the later
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-DROP_REASONS = ("evicted", "aborted", "failed")
+DROP_REASONS = ("evicted", "aborted", "failed", "skipped")
 
 
 class PromptTrace:

@@ -1,14 +1,20 @@
 """Exactly-once prompts (DESIGN.md §9.6): an interrupted and resumed run trains, step by step, on
 the same prompts as an uninterrupted one — under every sampler, whether it stopped at its time
-budget, was SIGKILLed right after a commit or in the middle of a save, and across an epoch
-boundary (12 prompts, 2 per step: an epoch is 6 steps, the runs go to step 10).
+budget (at step 1, 2 or 3, with at least four prompts admitted and not yet trained on: buffered,
+in flight or waiting for a permit), was SIGKILLed right after a commit or in the middle of a
+save, and across an epoch boundary (12 prompts, 2 per step: an epoch is 6 steps, the runs go to
+step 10), for several seeds.
 
 The comparison reads the public prompt trace (``logger.prompt_trace``); a step that the killed
 process trained and the resumed one trained again counts as the resumed one's.
 
 The configurations keep the prompt order independent of timing: one rollout worker (batches
-finish in dispatch order) and, for the windowed samplers, a buffer of two batches with a window
-of two versions, so no group is ever old enough to be evicted.
+finish in dispatch order), every dispatch waiting for a capacity permit rather than for the
+in-flight limit (so a batch's start weight is the version at which a train step freed its
+permits), and, for the windowed samplers, a buffer of two batches with a window of two versions,
+so no group is ever old enough to be evicted (an eviction races with the rollouts: whether a
+group is evicted when ready or aborted in flight decides when its permit frees, even in an
+uninterrupted run).
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_helpers import small_config, small_overrides, train
+from trainer_helpers import LONG_BUDGET, small_config, small_overrides, train
 
+from ckptstore.checkpointer import open_run
 from trainer.trace import read_trace, trained_prompts
 
 STEPS = 10
@@ -32,11 +39,14 @@ STEPS = 10
 #: some steps after the line it waits for, and a 10-step run could finish before it.
 RAY_STEPS = 30
 SAMPLERS = {
-    "windowed": {"async_rl.max_buffered_rollouts": 4, "async_rl.max_inflight_prompts": 2},
+    "windowed": {"async_rl.max_buffered_rollouts": 4, "async_rl.max_inflight_prompts": 4},
     "weight_fifo": {"async_rl.sampler.gate_window": 2},
     "in_order": {"async_rl.sampler.gate_window": 2},
     "ready_first": {"async_rl.sampler.gate_window": 2},
 }
+
+
+SEEDS = (3, 4, 5)
 
 
 def _settings(root: Path, sampler: str, steps: int = STEPS, **extra: Any) -> dict[str, Any]:
@@ -51,20 +61,23 @@ def _settings(root: Path, sampler: str, steps: int = STEPS, **extra: Any) -> dic
 
 
 def _config(root: Path, sampler: str, steps: int = STEPS, **extra: Any) -> Any:
+    """``extra`` keys are dotted; ``seed`` is the trainer's seed."""
     settings = _settings(root, sampler, steps, **extra)
     return small_config(root, **{k.replace(".", "__"): v for k, v in settings.items()})
 
 
-def _uninterrupted(root: Path, sampler: str, steps: int = STEPS) -> dict[int, list[int]]:
-    summary, _ = train(_config(root, sampler, steps))
+def _uninterrupted(
+    root: Path, sampler: str, steps: int = STEPS, seed: int = 3
+) -> dict[int, list[int]]:
+    summary, _ = train(_config(root, sampler, steps, seed=seed))
     assert summary["train_steps"] == steps
     trace = trained_prompts(root / "trace.jsonl")
     assert list(trace) == list(range(1, steps + 1))
     return trace
 
 
-def _resume(root: Path, sampler: str, from_step: int) -> dict[int, list[int]]:
-    summary, lines = train(_config(root, sampler))
+def _resume(root: Path, sampler: str, from_step: int, seed: int = 3) -> dict[int, list[int]]:
+    summary, lines = train(_config(root, sampler, seed=seed))
     assert summary["train_steps"] == STEPS
     assert any(line.startswith(f"resumed run 't' from step {from_step}:") for line in lines), lines
     return trained_prompts(root / "trace.jsonl")
@@ -127,23 +140,49 @@ def _assert_same(expected: dict[int, list[int]], got: dict[int, list[int]]) -> N
         assert got[step] == expected[step], f"step {step}: {got[step]} != {expected[step]}"
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[int, list[int]]]:
-    """The uninterrupted prompt sequence of each sampler (computed once, lazily per sampler)."""
-    cache: dict[str, dict[int, list[int]]] = {}
+Baselines = dict[tuple[str, int], dict[int, list[int]]]
 
-    class Lazy(dict[str, dict[int, list[int]]]):
-        def __missing__(self, sampler: str) -> dict[int, list[int]]:
-            cache[sampler] = _uninterrupted(tmp_path_factory.mktemp(f"whole-{sampler}"), sampler)
-            self[sampler] = cache[sampler]
-            return cache[sampler]
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory: pytest.TempPathFactory) -> Baselines:
+    """The uninterrupted prompt sequence of each (sampler, seed), computed once, lazily."""
+
+    class Lazy(dict[tuple[str, int], dict[int, list[int]]]):
+        def __missing__(self, key: tuple[str, int]) -> dict[int, list[int]]:
+            sampler, seed = key
+            root = tmp_path_factory.mktemp(f"whole-{sampler}-{seed}")
+            self[key] = _uninterrupted(root, sampler, seed=seed)
+            return self[key]
 
     return Lazy()
 
 
-def _check_budget(root: Path, sampler: str, expected: dict[int, list[int]]) -> None:
-    # The clock counts from process start: a process "started" 5 s ago with a 1 s budget is
-    # already past it, so the first step's check saves ("timeout") and stops the run there.
+def _outstanding_at_the_save(root: Path) -> int:
+    """How many prompts the newest checkpoint's rollout state lists (admitted, not trained)."""
+    ck = small_config(root).checkpointing
+    with open_run("t", db=ck.db, store=ck.store, writable=False) as run:
+        rollout = run.load(components=["rollout_state"]).state["rollout_state"]
+    return sum(len(batch["prompts"]) for batch in rollout["batches"])
+
+
+def _check_budget(
+    root: Path, sampler: str, expected: dict[int, list[int]], *, seed: int, at: int
+) -> None:
+    # The budget runs out exactly at step `at` (the helper's clock; see trainer_helpers.train),
+    # so that step's check saves and stops the run there.
+    budget = {"checkpointing.checkpoint_must_save_by": LONG_BUDGET}
+    cut, lines = train(_config(root, sampler, seed=seed, **budget), budget_stop_at=at)
+    assert cut["stopped_early"], lines
+    assert cut["train_steps"] == at, lines
+    assert _outstanding_at_the_save(root) >= 4
+    _assert_same(expected, _resume(root, sampler, from_step=at, seed=seed))
+
+
+def _check_budget_at_step_1_by_the_real_clock(
+    root: Path, sampler: str, expected: dict[int, list[int]]
+) -> None:
+    # The wall clock counts from process start: a process "started" 5 s ago with a 1 s budget
+    # is already past it, so the first step's check saves ("timeout") and stops the run there.
     cut, lines = train(
         _config(root, sampler, **{"checkpointing.checkpoint_must_save_by": "00:00:00:01"}),
         process_start=time.time() - 5,
@@ -166,38 +205,49 @@ def _check_kill_during_save(root: Path, sampler: str, expected: dict[int, list[i
     _assert_same(expected, _resume(root, sampler, from_step=2))
 
 
-CHECKS = {
-    "budget": _check_budget,
+KILLS = {
+    "budget_clock": _check_budget_at_step_1_by_the_real_clock,
     "kill_after_commit": _check_kill_after_commit,
     "kill_during_save": _check_kill_during_save,
 }
-# The default run keeps one case per sampler and per interruption; the rest are slow.
+# The default run keeps budget stops at steps 1-3 under the default sampler (one seed each), one
+# per other sampler, and one case per other interruption; the rest of the matrix is slow.
 DEFAULT = {
-    ("windowed", "kill_during_save"),
-    ("in_order", "budget"),
-    ("weight_fifo", "kill_after_commit"),
-    ("ready_first", "budget"),
+    ("windowed", "budget_1", 3),
+    ("windowed", "budget_2", 4),
+    ("windowed", "budget_3", 5),
+    ("in_order", "budget_2", 3),
+    ("weight_fifo", "budget_3", 4),
+    ("ready_first", "budget_1", 5),
+    ("windowed", "kill_during_save", 3),
+    ("weight_fifo", "kill_after_commit", 3),
+    ("in_order", "budget_clock", 3),
 }
+CASES = [
+    *((s, f"budget_{at}", seed) for s in SAMPLERS for at in (1, 2, 3) for seed in SEEDS),
+    *((s, how, 3) for s in SAMPLERS for how in KILLS),
+]
 
 
 @pytest.mark.parametrize(
-    ("sampler", "how"),
-    [
-        pytest.param(s, h, marks=() if (s, h) in DEFAULT else pytest.mark.slow)
-        for s in SAMPLERS
-        for h in CHECKS
-    ],
+    ("sampler", "how", "seed"),
+    [pytest.param(*case, marks=() if case in DEFAULT else pytest.mark.slow) for case in CASES],
 )
 def test_resumed_run_trains_the_same_prompts(
-    tmp_path: Path, baselines: dict[str, dict[int, list[int]]], sampler: str, how: str
+    tmp_path: Path, baselines: Baselines, sampler: str, how: str, seed: int
 ) -> None:
-    CHECKS[how](tmp_path, sampler, baselines[sampler])
+    expected = baselines[sampler, seed]
+    if how.startswith("budget_") and how != "budget_clock":
+        _check_budget(tmp_path, sampler, expected, seed=seed, at=int(how.removeprefix("budget_")))
+    else:
+        KILLS[how](tmp_path, sampler, expected)
     events = read_trace(tmp_path / "trace.jsonl")
     assert any(e["event"] == "resume" for e in events)
     # Each step's prompts are distinct, and every prompt of an epoch is trained once in it.
     steps = trained_prompts(tmp_path / "trace.jsonl")
     first_epoch = [p for step in range(1, 7) for p in steps[step]]
     assert sorted(first_epoch) == list(range(12))
+    assert not [e for e in events if e["event"] == "drop"]  # nothing evicted, aborted, failed
 
 
 @pytest.mark.timeout(600)

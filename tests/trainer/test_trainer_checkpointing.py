@@ -5,6 +5,7 @@ trained or stored (DESIGN.md §9.5-§9.6)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from ckptstore.checkpointer import Run, open_run
 from trainer.config import TrainerConfig
 from trainer.errors import ResumeError
 from trainer.grpo import main
+from trainer.workers import PolicyWorker
 
 
 def _query(cfg: TrainerConfig, sql: str, **params: Any) -> list[Any]:
@@ -186,3 +188,139 @@ def test_a_refused_config_change_trains_and_stores_nothing(tmp_path: Path) -> No
         train(small_config(tmp_path, warmup__steps=6))
     assert _runs(cfg) == runs
     assert _checkpoints(cfg) == [(2, "committed", "period")]
+
+
+def test_metric_name_stores_that_metric_of_the_step(tmp_path: Path) -> None:
+    cfg = small_config(tmp_path, checkpointing__metric_name="train:kl")
+    summary, _ = train(cfg)
+    by_step = {h["step"]: h["metrics"] for h in summary["history"]}
+    with _open(tmp_path) as run:
+        saved = {c.step: c for c in run.checkpoints()}
+    assert sorted(saved) == [2, 4]
+    for step, info in saved.items():
+        metrics = info.metrics or {}
+        # Every metric of the step is stored as train:<key>; the named one is also what
+        # training_info records and what keep_top_k ranks by.
+        assert metrics == {f"train:{k}": v for k, v in by_step[step].items()}
+        assert (info.training_info or {})["train:kl"] == by_step[step]["kl"]
+        assert metrics["train:kl"] != metrics["train:reward"]
+
+
+@pytest.mark.parametrize("name", ["val:accuracy", "reward", "train:not_a_metric"])
+def test_an_unknown_metric_name_is_one_line_and_exit_2_before_anything_is_stored(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    args = small_overrides(tmp_path, backend="local", **{"checkpointing.metric_name": name})
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"checkpointing.metric_name={name!r}" in err[0]
+    assert "train:reward" in err[0]
+    assert "train:kl" in err[0]
+    assert not (tmp_path / "manifest.db").exists()
+
+
+def test_total_steps_records_the_steps_taken(tmp_path: Path) -> None:
+    train(small_config(tmp_path, grpo__max_num_steps=6))
+    with _open(tmp_path) as run:
+        infos = {c.step: c.training_info or {} for c in run.checkpoints(["committed", "deleted"])}
+    assert {step: info["total_steps"] for step, info in infos.items()} == {2: 2, 4: 4, 6: 6}
+
+
+#: How long the test below makes the policy worker's uploads take.
+UPLOAD_DELAY = 0.5
+
+
+def test_a_synchronous_save_counts_its_wait_for_the_uploads_as_blocked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    receipts = PolicyWorker.shard_receipts
+
+    def slow(self: PolicyWorker, wait: bool) -> Any:
+        if wait:  # the uploads take a while; a synchronous save waits for them
+            time.sleep(UPLOAD_DELAY)
+        return receipts(self, wait)
+
+    monkeypatch.setattr(PolicyWorker, "shard_receipts", slow)
+    cfg = small_config(tmp_path, grpo__max_num_steps=2, checkpointing__async_save=False)
+    _, lines = train(cfg)
+    (row,) = _query(
+        cfg,
+        "SELECT c.blocked_seconds, c.save_seconds FROM checkpoints c JOIN runs r "
+        "ON r.id = c.run_id WHERE r.name = 't'",
+    )
+    # Training stood still for the uploads: that is blocked time (not only the snapshot).
+    assert row.blocked_seconds >= UPLOAD_DELAY
+    assert row.save_seconds >= row.blocked_seconds
+    (step,) = [x for x in lines if x.startswith("step    2")]
+    assert float(step.split("blocked ")[1].rstrip("s")) >= UPLOAD_DELAY
+
+
+def test_retention_ranks_saves_by_the_trigger_recorded_when_they_were_saved(
+    tmp_path: Path,
+) -> None:
+    # A deliberate difference from the reference, which re-ranks by step % save_period under
+    # the current period: a save_period change does not turn earlier periodic saves into
+    # off-period ones (which would delete the best checkpoint because of a config change).
+    keep = {"checkpointing__keep_top_k": 1, "checkpointing__keep_latest_k": 0}
+    train(small_config(tmp_path, grpo__max_num_steps=4, **keep))
+    train(small_config(tmp_path, grpo__max_num_steps=6, checkpointing__save_period=3, **keep))
+    with _open(tmp_path) as run:
+        rows = run.checkpoints(statuses=["committed", "deleted"])
+    assert {c.step: c.trigger for c in rows} == {2: "period", 4: "period", 6: "period"}
+    rewards = {c.step: (c.metrics or {})["train:reward"] for c in rows}
+    best = max(rewards, key=lambda s: (rewards[s], s))
+    assert best != 6, f"rewards {rewards}: the case needs step 2 or 4 to rank best"
+    # The reference would keep [6] (only 6 % 3 == 0 competes); this keeps the best and the latest.
+    assert {c.step for c in rows if c.status == "committed"} == {best, 6}
+
+
+def test_a_failed_last_save_is_one_error_line_without_a_traceback(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    snapshot = PolicyWorker.snapshot_shards
+    calls = {"n": 0}
+
+    def then_break_the_store(self: PolicyWorker, save_optimizer: bool) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the last save (step 4): its uploads find a broken store
+            cas = tmp_path / "store" / "cas"
+            cas.rename(tmp_path / "cas-moved")
+            cas.write_text("not a directory")
+        snapshot(self, save_optimizer)
+
+    monkeypatch.setattr(PolicyWorker, "snapshot_shards", then_break_the_store)
+    args = small_overrides(tmp_path, backend="local", **{"checkpointing.async_save": False})
+    assert main(args) == 2
+    # Outside pytest a logged exception prints its traceback on stderr; here caplog holds it.
+    logged = [r.getMessage() for r in caplog.records if r.exc_info is not None]
+    assert not logged, logged
+    err = capfd.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1, err
+    assert "Not a directory" in errors[0]
+
+
+def test_the_last_lines_say_what_was_saved_what_is_kept_and_where_to_look(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    keep = {"checkpointing.keep_top_k": 1, "checkpointing.keep_latest_k": 0}
+    args = small_overrides(tmp_path, backend="local", **{"grpo.max_num_steps": 6}, **keep)
+    assert main(args) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    cfg = small_config(tmp_path)
+    kept = [step for step, status, _ in _checkpoints(cfg) if status == "committed"]
+    assert len(kept) < 3  # retention deleted a save: the line must not claim all three
+    db, store = cfg.checkpointing.db, cfg.checkpointing.store
+    assert out[-5] == "finished: run 't' at step 6 (12 prompts, 48 samples)"
+    assert out[-4].startswith("this process saved steps [2, 4, 6]; ")
+    assert f"the run keeps steps {kept}" in out[-4]
+    assert (
+        out[-3] == f"the run is in the store {store} and the manifest database {db}; to look at it:"
+    )
+    assert out[-2].endswith(f"ckptstore --db {db} --store {store} runs")
+    assert out[-1].endswith(f"ckptstore --db {db} --store {store} ls t")
