@@ -156,7 +156,11 @@ def where_lines(summary: dict[str, Any]) -> list[str]:
         f"the run is in the store {store} and the manifest database {db}; to look at it:",
     ]
     command = _cli_command(db, store)
-    lines += [f"  {command} runs", f"  {command} ls {shlex.quote(run)}"]
+    lines += [
+        f"  {command} runs",
+        f"  {command} ls {shlex.quote(run)}",
+        f"  {command} serve    (a web view at http://127.0.0.1:8000)",
+    ]
     return lines
 
 

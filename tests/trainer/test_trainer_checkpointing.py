@@ -316,11 +316,12 @@ def test_the_last_lines_say_what_was_saved_what_is_kept_and_where_to_look(
     kept = [step for step, status, _ in _checkpoints(cfg) if status == "committed"]
     assert len(kept) < 3  # retention deleted a save: the line must not claim all three
     db, store = cfg.checkpointing.db, cfg.checkpointing.store
-    assert out[-5] == "finished: run 't' at step 6 (12 prompts, 48 samples)"
-    assert out[-4].startswith("this process saved steps [2, 4, 6]; ")
-    assert f"the run keeps steps {kept}" in out[-4]
+    assert out[-6] == "finished: run 't' at step 6 (12 prompts, 48 samples)"
+    assert out[-5].startswith("this process saved steps [2, 4, 6]; ")
+    assert f"the run keeps steps {kept}" in out[-5]
     assert (
-        out[-3] == f"the run is in the store {store} and the manifest database {db}; to look at it:"
+        out[-4] == f"the run is in the store {store} and the manifest database {db}; to look at it:"
     )
-    assert out[-2].endswith(f"ckptstore --db {db} --store {store} runs")
-    assert out[-1].endswith(f"ckptstore --db {db} --store {store} ls t")
+    assert out[-3].endswith(f"ckptstore --db {db} --store {store} runs")
+    assert out[-2].endswith(f"ckptstore --db {db} --store {store} ls t")
+    assert f"ckptstore --db {db} --store {store} serve" in out[-1]
