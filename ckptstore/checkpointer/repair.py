@@ -7,6 +7,11 @@ bytes of that digest are stored again (the next save of the same content re-uplo
 operator restores the object), :func:`recheck` re-verifies the whole checkpoint and, when every
 blob verifies, makes it committed again (``verify --recheck`` does the same on demand).
 
+A checkpoint marked corrupt because its metadata is wrong (a DCP or Megatron checkpoint whose
+chunks do not tile a tensor) has no damaged blob: every blob verifies, and it must stay corrupt.
+Only a layer above knows those formats, so it hands :func:`recheck` the check
+(``check_metadata``); without one, only the blobs are re-verified.
+
 A blob quarantined although its bytes are good (by a reader that took "cannot decode here" for
 damage) is found missing; when a copy of it under ``quarantine/`` verifies in full, a check
 that may act puts it back under its key and revives its row.
@@ -15,7 +20,7 @@ that may act puts it back under its key and revives its row.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,6 +31,7 @@ from ckptstore.errors import IntegrityError, UnreadableError
 from ckptstore.manifest import reads
 from ckptstore.manifest import transactions as tx
 from ckptstore.manifest.db import Database
+from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore
 
 log = logging.getLogger("ckptstore.repair")
@@ -52,6 +58,9 @@ class Recheck:
 
 
 Verdict = tuple[str, str] | None
+#: A check of a checkpoint's own metadata, given the digests it references: None if it holds,
+#: else (digest, kind, detail) as for a blob, kind "metadata" when the metadata is wrong.
+MetadataCheck = Callable[[CheckpointInfo, Collection[str]], tuple[str, str, str] | None]
 
 
 def check_blob(
@@ -105,10 +114,11 @@ def recheck(
     *,
     workers: int = 8,
     restore: bool = True,
+    check_metadata: MetadataCheck | None = None,
 ) -> list[Recheck]:
     """Re-verify every blob of the given corrupt checkpoints (putting back good quarantined
-    copies); restore those that verify (unless ``restore`` is False: then only report, and
-    change nothing)."""
+    copies), then, when they all verify, ``check_metadata``; restore those that pass (unless
+    ``restore`` is False: then only report, and change nothing)."""
     results: list[Recheck] = []
     verdicts: dict[str, Verdict] = {}
     act = db if restore else None
@@ -126,6 +136,9 @@ def recheck(
             for digest, verdict, _ in checked:
                 verdicts[digest] = verdict
             problems = tuple((d, v[0], v[1]) for d in sizes if (v := verdicts[d]) is not None)
+            if not problems and check_metadata is not None:
+                wrong = check_metadata(found, list(sizes))
+                problems = () if wrong is None else (wrong,)
             status = "corrupt"
             if not problems and restore:
                 restored = tx.restore(db, checkpoint_id, list(sizes))

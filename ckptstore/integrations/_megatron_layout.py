@@ -19,13 +19,14 @@ from typing import Any
 import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
+from ckptstore.integrations._names import MEGATRON_META
 from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 
 #: The component of rank ``r`` is ``SHARD_PREFIX + str(r)``.
 SHARD_PREFIX = "megatron/rank"
 #: metadata.json, the layout and the world size, committed by the coordinator.
-META = "megatron/meta"
+META = MEGATRON_META
 #: Megatron's common (non-sharded) state dict, stored without pickle.
 COMMON = "megatron/common"
 FORMAT = "ckptstore-megatron"

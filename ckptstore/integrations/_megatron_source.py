@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, UnreadableError
 from ckptstore.integrations._megatron_layout import (
     COMMON,
     FORMAT,
@@ -46,7 +46,8 @@ def parse_meta(meta: Any, where: str) -> tuple[dict[str, Any], Layout]:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise IntegrityError(f"{where}: {META} is not a ckptstore Megatron meta component")
     if meta.get("version") != VERSION:
-        raise IntegrityError(
+        # A newer writer's format is no proof of damage (DESIGN.md §12): nothing is marked.
+        raise UnreadableError(
             f"{where}: Megatron meta version {meta.get('version')!r} is not supported "
             f"(this ckptstore reads {VERSION}); upgrade ckptstore"
         )
@@ -102,6 +103,13 @@ class Source:
             check_entries(reader, self._stored_in.get(component, []))
             self._readers[component] = reader
         return self._readers[component]
+
+    def validate(self) -> None:
+        """Every check a load makes before it reads data, made at once: the layout as a whole
+        (checked on opening) and each component holding tensor shards against it (its index
+        only). Reads no tensor data; raises what a load would raise."""
+        for component in self._stored_in:
+            self.reader(component)
 
     def fetch(self, shard: TensorShard) -> torch.Tensor:
         """A stored shard's tensor (fetched and verified once)."""
@@ -207,6 +215,14 @@ class Source:
             for shard in shards:
                 self._fetched.pop((shard.component, shard.path), None)
             yield key, full
+
+
+def validate_checkpoint(store: ObjectStore, info: CheckpointInfo) -> None:
+    """Check a Megatron checkpoint's metadata as a load or an export does before reading any
+    tensor data (:meth:`Source.validate`): an ``IntegrityError`` without a ``digest`` names
+    the tensor whose layout is wrong; one with a ``digest`` names a blob found damaged or
+    missing on the way."""
+    Source(store, info).validate()
 
 
 def _entry_ids(node: Any) -> Iterator[int]:

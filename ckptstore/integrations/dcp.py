@@ -62,7 +62,12 @@ from ckptstore.integrations.dcp_planners import (
     NoPickleSavePlanner,
     SnapshotStager,
 )
-from ckptstore.integrations.dcp_reader import CkptStoreReader, is_dcp_checkpoint, iter_full_tensors
+from ckptstore.integrations.dcp_reader import (
+    CkptStoreReader,
+    is_dcp_checkpoint,
+    iter_full_tensors,
+    validate_checkpoint,
+)
 from ckptstore.integrations.dcp_writer import CkptStoreWriter
 from ckptstore.manifest import reads
 from ckptstore.manifest.models import Trigger
@@ -84,6 +89,7 @@ __all__ = [
     "load",
     "rank_component",
     "save",
+    "validate_checkpoint",
 ]
 
 

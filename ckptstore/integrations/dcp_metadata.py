@@ -29,13 +29,14 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptstore.cas.digest import check_digest
 from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
+from ckptstore.integrations._names import DCP_METADATA
 from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 
 FORMAT = "ckptstore/dcp-metadata"
 VERSION = 1
 #: The component holding DCP's metadata (JSON) and the rank components' index digests.
-METADATA_COMPONENT = "dcp/metadata"
+METADATA_COMPONENT = DCP_METADATA
 METADATA_FORMAT = "ckptstore/dcp"
 
 _MEMORY_FORMATS = {

@@ -142,6 +142,15 @@ class CkptStoreReader(StorageReader):
                 self._stored = stored
             return self._stored
 
+    def validate(self) -> StoredMetadata:
+        """Every check a load makes before it reads data, made at once: the metadata as a whole
+        (:meth:`stored_metadata`), then each rank component that holds items against it (its
+        index only). Reads no tensor data; raises what a load would raise."""
+        stored = self.stored_metadata()
+        for rank in sorted(self._expected):
+            self._rank_reader(stored, rank)
+        return stored
+
     def _fetch_metadata(self) -> StoredMetadata:
         where = with_context(self.context, f"component {METADATA_COMPONENT!r}")
         doc = ComponentReader(self.store, self.metadata_digest, context=where).load()
@@ -388,6 +397,14 @@ def _pieces(entry: Entry, lo: int, hi: int) -> list[tuple[Segment, int, int, int
 def is_dcp_checkpoint(info: CheckpointInfo) -> bool:
     """Whether the checkpoint was saved through :class:`CkptStoreWriter`."""
     return any(c.name == METADATA_COMPONENT for c in info.components)
+
+
+def validate_checkpoint(store: ObjectStore, info: CheckpointInfo) -> None:
+    """Check a DCP checkpoint's metadata as a load or an export does before reading any tensor
+    data (:meth:`CkptStoreReader.validate`): an ``IntegrityError`` without a ``digest`` names
+    the tensor whose metadata is wrong; one with a ``digest`` names a blob found damaged or
+    missing on the way."""
+    CkptStoreReader.for_checkpoint(store, info).validate()
 
 
 def iter_full_tensors(

@@ -21,6 +21,9 @@ none, see ``_megatron_scratch``) and stored through ckptstore's serializer; a co
 is not plain (tensors, numbers, strings, containers) is refused. Before a load or an export
 reads anything, the layout is checked as a whole (``Layout.check``: each tensor's shards tile
 it exactly), and each rank component as it is opened (its entries are what the layout says).
+Loading the newest checkpoint falls back past one that fails, as ``ckpt_dcp.load`` does: rank 0
+checks the metadata before anything is loaded, and the ranks agree on damage found while
+reading data (``_megatron_resume``).
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ from ckptstore.integrations._megatron_load import (
     StepOf,
     iteration_of,
 )
-from ckptstore.integrations._megatron_source import Source
+from ckptstore.integrations._megatron_resume import load_newest
+from ckptstore.integrations._megatron_source import Source, validate_checkpoint
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.serialize.save import flatten_state
@@ -101,6 +105,7 @@ __all__ = [
     "load",
     "register",
     "save",
+    "validate_checkpoint",
 ]
 
 
@@ -350,23 +355,37 @@ def load(
     *,
     checkpoint_dir: str | None = None,
     strict: Any = "assume_ok_unexpected",
+    fallback: bool = True,
 ) -> Any:
-    """Load checkpoint ``step`` (default: the latest, as rank 0 sees it) into the split the
-    sharded state dict asks for (collective, every rank); returns Megatron's loaded state dict.
+    """Load checkpoint ``step`` into the split the sharded state dict asks for (collective,
+    every rank); returns Megatron's loaded state dict.
+
+    Without a step, rank 0 picks the newest committed checkpoint and every rank loads that one.
+    When it fails verification -- metadata that rank 0 finds wrong before anything is loaded,
+    or damaged data any rank finds while loading -- rank 0 marks it corrupt (a writable run;
+    a read-only one only reports) and every rank falls back to the previous committed one
+    (``fallback``; ``CheckpointNotFoundError`` when none is left).
 
     metadata.json is staged from the store into ``checkpoint_dir`` (default: a private
     directory, as for :func:`save`); anything else in that directory, a ``common.pt``
     included, is never read.
     """
-    if step is None and dist.is_initialized():
-        latest = run.latest() if dist.get_rank() == 0 else None
-        agreed = [None if latest is None else latest.step]
-        dist.broadcast_object_list(agreed, src=0)
-        step = agreed[0]
+
+    def attempt(source: Source) -> Any:
+        return _load_source(sharded_state_dict, run, source, checkpoint_dir, strict)
+
+    if step is None:
+        return load_newest(run, attempt, fallback=fallback)
     loaded = run.load(step, components=[META])
-    source = Source(run.store, loaded.info, loaded.state[META])
-    sharded = CkptStoreLoadStrategy(run, loaded.info.step)
-    common = CkptStoreLoadCommonStrategy(run, loaded.info.step)
+    return attempt(Source(run.store, loaded.info, loaded.state[META]))
+
+
+def _load_source(
+    sharded_state_dict: Any, run: Run, source: Source, checkpoint_dir: str | None, strict: Any
+) -> Any:
+    """Megatron's load of the checkpoint ``source`` opens (collective, every rank)."""
+    sharded = CkptStoreLoadStrategy(run, source.info.step)
+    common = CkptStoreLoadCommonStrategy(run, source.info.step)
     sharded._source = common._source = source
     directory = checkpoint_dir or scratch.private_dir("load")
     try:

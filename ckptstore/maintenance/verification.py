@@ -1,7 +1,11 @@
 """Re-hash what checkpoints reference and report what is missing, damaged or unreadable.
 
 Only proven damage (a missing blob, bytes that fail their checksum or digest) marks a
-checkpoint corrupt; a blob this process cannot read is reported and changes nothing. A
+checkpoint corrupt; a blob this process cannot read is reported and changes nothing. Metadata
+that its loader refuses is proof too: a DCP or Megatron checkpoint whose blobs verify is then
+checked as a load checks it (``integrations.validation``: each tensor's chunks tile it, sizes
+agree with the rank components' entries), reading only its metadata and indexes; when that
+fails the checkpoint is marked corrupt and no blob is quarantined (the blobs are healthy). A
 checkpoint that stays marked corrupt is reported by every later pass until it is repaired
 (``recheck``) or released (``ckptstore gc --release-corrupt``), so that a gate on verify's exit
 code never turns green over a broken run.
@@ -11,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptstore.cas.blobs import quarantine_blob
+from ckptstore.cas.blobs import MissingBlobError, quarantine_blob
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
 from ckptstore.checkpointer.repair import Verdict, check_blob
@@ -24,12 +28,14 @@ from ckptstore.checkpointer.restore import wrong_store
 from ckptstore.errors import (
     CkptStoreError,
     IntegrityError,
+    ObjectStoreError,
     SerializationError,
     UnreadableError,
 )
 from ckptstore.manifest import reads
 from ckptstore.manifest import transactions as tx
 from ckptstore.manifest.db import Database
+from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore
 from ckptstore.serialize.reader import ComponentReader
 
@@ -45,8 +51,10 @@ class Problem:
     step: int
     component: str
     key: str
-    #: "missing" or "corrupt" (proven damage), or "unreadable": this process cannot read the
-    #: blob (an unknown codec or version, a missing codec, an index that does not parse).
+    #: "missing" or "corrupt" (proven damage), "metadata" (a DCP or Megatron checkpoint's
+    #: metadata that its loader refuses, ``key`` the object holding it: proven, though every
+    #: blob is healthy), or "unreadable": this process cannot read the blob or check the
+    #: metadata (an unknown codec or version, a missing codec, an index that does not parse).
     kind: str
     detail: str
 
@@ -76,11 +84,17 @@ class VerifyReport:
 
 @dataclass(slots=True)
 class _Target:
-    id: int
-    run: str
-    step: int
+    info: CheckpointInfo
     owners: dict[str, str]  # digest -> component
     sizes: dict[str, int | None]  # digest -> raw length the manifest recorded (None: no row)
+
+    @property
+    def run(self) -> str:
+        return self.info.run
+
+    @property
+    def step(self) -> int:
+        return self.info.step
 
 
 def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
@@ -90,7 +104,7 @@ def _targets(db: Database, run: str | None, step: int | None) -> list[_Target]:
         owners = dict.fromkeys(sizes, "?")
         for comp in info.components:
             owners[comp.index_digest] = comp.name
-        targets.append(_Target(info.id, info.run, info.step, owners, sizes))
+        targets.append(_Target(info, owners, sizes))
     return targets
 
 
@@ -111,10 +125,12 @@ def verify(
 
     Damaged checkpoints are marked corrupt and their bad blobs quarantined (so the next save
     uploads good bytes), and missing blobs with a good quarantined copy are put back, unless
-    ``mark_corrupt`` is False (then nothing changes). Unreadable blobs are reported only. With
-    ``recheck``, checkpoints marked corrupt are re-verified in full too, and those whose every
-    blob verifies again (a good copy was re-uploaded or restored) become committed again (only
-    if ``mark_corrupt``). Checkpoints left marked corrupt are listed in ``still_corrupt``.
+    ``mark_corrupt`` is False (then nothing changes). A DCP or Megatron checkpoint whose blobs
+    verify has its metadata checked too; wrong metadata marks it corrupt, quarantining nothing.
+    Unreadable blobs are reported only. With ``recheck``, checkpoints marked corrupt are
+    re-verified in full too, and those whose every blob verifies again (a good copy was
+    re-uploaded or restored) and whose metadata passes become committed again (only if
+    ``mark_corrupt``). Checkpoints left marked corrupt are listed in ``still_corrupt``.
     """
     report = VerifyReport()
     if recheck:
@@ -156,17 +172,25 @@ def verify(
                 if progress:
                     progress(1)
             bad = [(d, verdicts[d]) for d in todo if verdicts[d] is not None]
+            if not bad and not unreadable:
+                wrong = _check_metadata(store, target.info, target.owners)
+                if wrong is not None and wrong[1] == "unreadable":
+                    unreadable.append((wrong[0], wrong[2]))
+                elif wrong is not None:
+                    bad.append((wrong[0], (wrong[1], wrong[2])))
             found = [(d, v[0], v[1]) for d, v in bad if v is not None]
             found += [(d, "unreadable", detail) for d, detail in unreadable]
             for digest, kind, detail in found:
                 key = f"{store.url}/{blob_key(digest)}"
-                owner = target.owners[digest]
+                owner = target.owners.get(digest, "?")
                 report.problems.append(Problem(target.run, target.step, owner, key, kind, detail))
             if bad or unreadable:
                 report.corrupt_checkpoints.append((target.run, target.step))
             proven = [(d, v) for d, v in bad if v is not None and v[0] != "unreadable"]
             if proven and mark_corrupt:
-                to_mark.append((target, proven[0][1], [d for d, _ in proven]))
+                # Wrong metadata condemns the checkpoint, never a blob: its blobs are healthy.
+                damaged = [d for d, v in proven if v is not None and v[0] != "metadata"]
+                to_mark.append((target, proven[0][1], damaged))
     seen = list(verdicts.values())
     if len(seen) >= 2 and all(v is not None and v[0] == "missing" for v in seen):
         raise wrong_store(store, f"none of the {len(seen)} blobs checked exist in the store")
@@ -179,6 +203,35 @@ def verify(
         if (c.run, c.step) not in report.marked
     ]
     return report
+
+
+def _check_metadata(
+    store: ObjectStore, info: CheckpointInfo, referenced: Collection[str]
+) -> tuple[str, str, str] | None:
+    """The checks a load of a DCP or Megatron checkpoint makes before reading data, on its
+    metadata and its components' indexes: None if they pass (or it is neither), else (digest,
+    kind, detail). Kind "metadata": the metadata is wrong, the digest its component's index;
+    "missing" or "corrupt": a blob the checkpoint references was found damaged on the way;
+    "unreadable": this process cannot check it."""
+    # Imported here: the formats' checks (and torch.distributed for DCP) only when used.
+    from ckptstore.integrations.validation import metadata_component, validate_checkpoint
+
+    component = metadata_component(info)
+    if component is None:
+        return None
+    try:
+        validate_checkpoint(store, info)
+    except IntegrityError as exc:
+        if exc.digest is not None and exc.digest in referenced:
+            kind = "missing" if isinstance(exc, MissingBlobError) else "corrupt"
+            return exc.digest, kind, str(exc)
+        return component.index_digest, "metadata", str(exc)
+    except ObjectStoreError:
+        raise  # the store failed, not the checkpoint: as when a blob is checked
+    except CkptStoreError as exc:  # not proof of anything: reported, never marked
+        digest = exc.digest if isinstance(exc, UnreadableError) else None
+        return digest or component.index_digest, "unreadable", str(exc)
+    return None
 
 
 def _bound(size: int | None) -> int:
@@ -199,7 +252,14 @@ def _recheck(
     ids = [c.id for c in reads.targets(db, run=run, step=step, status="corrupt")]
     if not ids:
         return
-    results = recheck_checkpoints(db, store, ids, workers=workers, restore=restore)
+    results = recheck_checkpoints(
+        db,
+        store,
+        ids,
+        workers=workers,
+        restore=restore,
+        check_metadata=lambda info, referenced: _check_metadata(store, info, referenced),
+    )
     for result in results:
         report.checkpoints += 1
         report.blobs_checked += result.blobs_checked
@@ -227,7 +287,12 @@ def _mark_corrupt(
     verdict: tuple[str, str] | None,
     digests: list[str],
 ) -> None:
-    reason = f"verify: {verdict[0]} blob: {verdict[1]}" if verdict else "verify failed"
+    if verdict is None:
+        reason = "verify failed"
+    elif verdict[0] == "metadata":
+        reason = f"verify: wrong metadata: {verdict[1]}"
+    else:
+        reason = f"verify: {verdict[0]} blob: {verdict[1]}"
 
     def quarantine(digest: str) -> None:
         try:
@@ -237,5 +302,5 @@ def _mark_corrupt(
 
     # Condemn and quarantine with commits held off, so no commit can trust the damaged object
     # between the two (a later one finds the row condemned and the object gone).
-    tx.mark_corrupt(db, target.id, reason, digests, quarantine)
+    tx.mark_corrupt(db, target.info.id, reason, digests, quarantine)
     log.error("run %r step %d is corrupt: %s", target.run, target.step, reason)

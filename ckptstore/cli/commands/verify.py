@@ -94,6 +94,8 @@ def _text(report: VerifyReport, *, no_mark: bool) -> str:
         )
         if p.kind == "unreadable":
             lines.append(f"  not marked (not proven damaged): {printable(p.detail)}")
+        elif p.kind == "metadata":
+            lines.append(f"  the metadata is wrong, no blob moved: {printable(p.detail)}")
     lines += [
         f"REPAIRED: run {quoted(run)} step {step} is committed again"
         for run, step in report.repaired
