@@ -61,6 +61,12 @@ class SerializationError(CkptStoreError, TypeError):
     """A value cannot be saved or an index cannot be read back; the message names its path."""
 
 
+class MalformedMetadataError(IntegrityError, SerializationError):
+    """A checkpoint's metadata document (DCP's, Megatron's) is malformed although its blob
+    verifies: written wrong, so the checkpoint is treated as corrupt (the load falls back past
+    it) while no blob is condemned (``digest`` stays None)."""
+
+
 class DatabaseError(CkptStoreError):
     """The manifest database failed or cannot be reached."""
 

@@ -28,7 +28,13 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptstore.cas.digest import check_digest
-from ckptstore.errors import CkptStoreError, IntegrityError, SerializationError
+from ckptstore.errors import (
+    CkptStoreError,
+    IntegrityError,
+    MalformedMetadataError,
+    SerializationError,
+    UnreadableError,
+)
 from ckptstore.integrations._names import DCP_METADATA
 from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
@@ -107,18 +113,23 @@ def encode_metadata(
 
 
 def decode_metadata(text: str, where: str) -> StoredMetadata:
-    """Parse and validate a metadata document: ``SerializationError`` names what is malformed,
-    ``IntegrityError`` a tensor whose chunks do not tile it or whose shape no tensor has (or a
-    document nested deeper than any writer nests it)."""
+    """Parse and validate a metadata document: ``MalformedMetadataError`` (an IntegrityError
+    and a SerializationError) names what is malformed, ``IntegrityError`` a tensor whose
+    chunks do not tile it or whose shape no tensor has (or a document nested deeper than any
+    writer nests it): either way the checkpoint is corrupt. A newer version of the document is
+    ``UnreadableError`` (not damage: upgrade)."""
     try:
         doc = _parse(text, where)
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError("not a ckptstore DCP metadata document")
-        if doc.get("version") != VERSION:
-            raise ValueError(
-                f"version {doc.get('version')!r} is not supported by this ckptstore (it reads "
-                f"version {VERSION}); upgrade ckptstore"
+        version = doc.get("version")
+        if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+            raise UnreadableError(
+                f"{where}: DCP metadata version {version} is newer than this ckptstore reads "
+                f"({VERSION}); upgrade ckptstore (nothing was marked corrupt)"
             )
+        if version != VERSION:
+            raise ValueError(f"version {version!r} is not one any ckptstore writes")
         state: dict[str, Any] = {fqn: BytesStorageMetadata() for fqn in _strs(doc["values"])}
         for fqn, md in _dict(doc["tensors"]).items():
             if fqn in state:
@@ -152,11 +163,11 @@ def decode_metadata(text: str, where: str) -> StoredMetadata:
             storage_meta=storage_meta,
             version=_optional_str(doc.get("dcp_version")),
         )
-    except IntegrityError:
+    except (IntegrityError, UnreadableError):
         raise
     except (ValueError, TypeError, KeyError, AttributeError, CkptStoreError) as exc:
         detail = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
-        raise SerializationError(f"{where}: malformed DCP metadata ({detail})") from None
+        raise MalformedMetadataError(f"{where}: malformed DCP metadata ({detail})") from None
     return StoredMetadata(metadata, ranks)
 
 

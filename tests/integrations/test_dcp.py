@@ -42,6 +42,7 @@ from ckptstore.errors import (
     IntegrityError,
     SaveError,
     SerializationError,
+    UnreadableError,
 )
 from ckptstore.integrations import dcp as ckpt_dcp
 from ckptstore.integrations.dcp import (
@@ -355,8 +356,8 @@ def _wrong_format(doc: dict[str, Any]) -> None:
     doc["format"] = "torch/pickle"
 
 
-def _wrong_version(doc: dict[str, Any]) -> None:
-    doc["version"] = 2
+def _unknown_version(doc: dict[str, Any]) -> None:
+    doc["version"] = 0
 
 
 def _float_offset(doc: dict[str, Any]) -> None:
@@ -383,7 +384,7 @@ def _missing_tensors(doc: dict[str, Any]) -> None:
     ("damage", "needle"),
     [
         (_wrong_format, "not a ckptstore DCP metadata document"),
-        (_wrong_version, "version 2 is not supported"),
+        (_unknown_version, "version 0 is not one any ckptstore writes"),
         (_float_offset, "non-negative integer"),
         (_string_position, "non-negative integer"),
         (_bad_digest, "digest"),
@@ -402,6 +403,15 @@ def test_metadata_refuses_malformed_documents(
     message = str(caught.value)
     assert message.startswith("run x step 1: malformed DCP metadata"), message
     assert needle in message
+
+
+def test_a_newer_metadata_version_is_unreadable_not_malformed(
+    saved_metadata: tuple[CheckpointInfo, StoredMetadata],
+) -> None:
+    doc = _document(saved_metadata[1])
+    doc["version"] = 2
+    with pytest.raises(UnreadableError, match="version 2 is newer than this ckptstore reads"):
+        decode_metadata(json.dumps(doc), "run x step 1")
 
 
 def test_metadata_refuses_non_json() -> None:

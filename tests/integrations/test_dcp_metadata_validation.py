@@ -11,12 +11,22 @@ side is in tests/cli/test_export_validation.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from crafted_checkpoints import DCP_LIES, Chunk, Tensor, commit_dcp, nested, rows, whole
+from crafted_checkpoints import (
+    DCP_LIES,
+    Chunk,
+    Tensor,
+    commit_dcp,
+    dcp_document,
+    nested,
+    rows,
+    whole,
+)
 
 import ckptstore
 from ckptstore.cas import blob_key
@@ -94,6 +104,23 @@ def test_newest_checkpoint_with_lying_metadata_is_skipped_like_a_corrupt_one(run
         reader = ComponentReader(run.store, component.index_digest)
         for digest in reader.digests | {component.index_digest}:
             assert run.store.exists(blob_key(digest)), digest
+
+
+def test_a_malformed_metadata_document_is_skipped_like_a_corrupt_checkpoint(run: Run) -> None:
+    """Its blob verifies, but the document is not one a writer makes (a string where the
+    tensors belong): the load falls back past it, and no blob is condemned."""
+    w = rows(4, 4)
+    commit_dcp(run, 1, {"w": whole(w)})
+    document = json.dumps({**dcp_document({"w": whole(w)}, "b3:" + "0" * 64), "tensors": "w"})
+    commit_dcp(run, 2, {"w": whole(w)}, text=document)
+    target = {"w": torch.full((4, 4), SENTINEL)}
+    with pytest.raises(IntegrityError, match="malformed DCP metadata") as caught:
+        ckpt_dcp.load(target, run, fallback=False)
+    assert caught.value.digest is None
+    assert ckpt_dcp.load(target, run).step == 1
+    assert torch.equal(target["w"], w)
+    assert {c.step: c.status for c in run.checkpoints()} == {1: "committed", 2: "corrupt"}
+    assert list(run.store.list("quarantine/")) == []
 
 
 # -- the sharding-integrity check on declared numbers alone ----------------------------------
