@@ -6,11 +6,24 @@ from __future__ import annotations
 
 import pytest
 
+from ckptstore.objectstore import ObjectStore
 from ckptstore.testing.factories import S3StoreFactory
 from ckptstore.testing.store import S3StoreTests
 
 
-class TestMotoStore(S3StoreTests):
+class MotoRace(S3StoreTests):
+    """moto checks If-None-Match and then stores the object without a lock between the two, so
+    two racing conditional PUTs of one key can both succeed there (seen once in a CI run, on the
+    in-process moto): the race is checked against SeaweedFS (TestSeaweedStore), a real server."""
+
+    @pytest.mark.skip(reason="moto's conditional PUT is not atomic (see MotoRace)")
+    def test_concurrent_puts_of_one_key_create_it_exactly_once(
+        self, store: ObjectStore, factory: S3StoreFactory
+    ) -> None:
+        super().test_concurrent_puts_of_one_key_create_it_exactly_once(store, factory)
+
+
+class TestMotoStore(MotoRace):
     @pytest.fixture
     def factory(self, moto_store_factory: S3StoreFactory) -> S3StoreFactory:
         return moto_store_factory
@@ -43,7 +56,7 @@ class TestSeaweedStore(S3StoreTests):
 
 
 @pytest.mark.integration
-class TestMotoServerStore(S3StoreTests):
+class TestMotoServerStore(MotoRace):
     @pytest.fixture
     def factory(self, moto_server_store_factory: S3StoreFactory) -> S3StoreFactory:
         return moto_server_store_factory
