@@ -1,11 +1,14 @@
 """The built-in blob codecs (raw, zstd, zstd after byte-grouping, and the float codec) and the
 choice between them.
 
-Typed floats go to the float codec (:mod:`ckptstore.cas.fpcodec`: the exponent plane
-Huffman-coded), which compresses them more, and several times faster, than byte-grouped zstd.
-Byte-grouped zstd stays registered after it: it reads the blobs written with it, and it takes
-the floats the float codec cannot (an installation whose C extension did not compile, element
-sizes other than 2, 4 and 8).
+Typed floats usually go to the float codec (:mod:`ckptstore.cas.fpcodec`: the exponent plane
+Huffman-coded), which compresses weights more, and several times faster, than byte-grouped
+zstd. Every codec is offered a sample of each blob and the smallest output wins, a slower codec
+only by a clear margin (:func:`encode`): floats full of zero runs or of a few distinct values
+(RL rollouts: log-probabilities, advantages) go to byte-grouped or plain zstd, integers of
+several bytes (token ids) to byte-grouped zstd. Byte-grouped zstd also takes the floats the
+float codec cannot (an installation whose C extension did not compile, element sizes other
+than 2, 4 and 8).
 
 Byte-grouping splits each element's bytes into planes (all first bytes, all second bytes, ...).
 For floats nearly all the gain is in the sign/exponent plane; the mantissa planes look random.
@@ -47,6 +50,9 @@ COMPRESS_BYTES_PER_S = fpcodec.BYTES_PER_S if fpcodec.NATIVE_ERROR is None else 
 MAX_REQUIRED_GAIN = 0.5
 _SAMPLE = 64 << 10
 _SAMPLES = 3
+#: How much smaller a slower codec's output must be to be chosen over a faster one's (the
+#: registry's order is by speed: fphuff, then bgzstd, then zstd).
+SWITCH_GAIN = 0.08
 #: One byte plane in a byte-grouped blob's params: its codec (the id of raw or zstd), length.
 _PLANE = struct.Struct("<BQ")
 _LEVEL = 1
@@ -85,18 +91,51 @@ def min_gain(policy: Compression, write_bandwidth: float) -> float:
 def encode(
     raw: memoryview, *, itemsize: int = 1, float_like: bool = False, threshold: float = MIN_GAIN
 ) -> Encoded:
-    """``raw`` as the first registered codec that saves at least ``threshold`` encodes it;
-    raw if every codec declines."""
-    if threshold <= 1.0 and raw.nbytes:
-        for candidate in codecs.registered():
-            if candidate is RAW:
-                continue  # the fallback, not a candidate
-            encoded = candidate.encode(
-                raw, itemsize=itemsize, float_like=float_like, threshold=threshold
-            )
-            if encoded is not None:
-                return encoded
+    """``raw`` as the codec that stores a sample of it smallest; raw if every codec declines.
+
+    Every registered codec encodes the sample (the whole blob when it is small); the registry's
+    order is by speed, fastest first, and a later codec wins over an earlier one only if its
+    output is at least ``SWITCH_GAIN`` smaller (ratio and speed weighed as for weights: the float
+    codec keeps floats unless byte-grouped or plain zstd does clearly better on this data, e.g.
+    rollout log-probabilities full of exact zeros). The chosen codec then encodes the whole
+    blob; should it decline there, the next ones are offered it in the registry's order.
+    """
+    if threshold > 1.0 or not raw.nbytes:
+        return Encoded(RAW, [raw])
+    whole = raw.nbytes <= _SAMPLE * _SAMPLES
+    probe = raw if whole else memoryview(_sample(raw, itemsize))
+    trials: list[tuple[codecs.Codec, Encoded]] = []
+    for candidate in codecs.registered():
+        if candidate is RAW:
+            continue  # the fallback, not a candidate
+        tried = candidate.encode(
+            probe, itemsize=itemsize, float_like=float_like, threshold=threshold
+        )
+        if tried is not None:
+            trials.append((candidate, tried))
+    for candidate, tried in _by_preference(trials):
+        if whole:
+            return tried
+        encoded = candidate.encode(
+            raw, itemsize=itemsize, float_like=float_like, threshold=threshold
+        )
+        if encoded is not None:
+            return encoded
     return Encoded(RAW, [raw])
+
+
+def _by_preference(
+    trials: list[tuple[codecs.Codec, Encoded]],
+) -> list[tuple[codecs.Codec, Encoded]]:
+    """``trials`` (in the registry's order) with the preferred one first: the first trial unless
+    a later one stores at least ``SWITCH_GAIN`` less than the best so far."""
+    if not trials:
+        return []
+    best = trials[0]
+    for trial in trials[1:]:
+        if trial[1].stored_len <= best[1].stored_len * (1.0 - SWITCH_GAIN):
+            best = trial
+    return [best, *(trial for trial in trials if trial is not best)]
 
 
 _local = threading.local()
@@ -142,9 +181,10 @@ def _gain(raw: memoryview | bytes, compressed_len: int) -> float:
     return 1.0 - compressed_len / n if n else 0.0
 
 
-def _byte_groupable(raw: memoryview, itemsize: int, float_like: bool) -> bool:
-    """Whether ``raw`` is whole elements of a float type: byte-grouping's data, not zstd's."""
-    return float_like and itemsize > 1 and raw.nbytes % itemsize == 0
+def _byte_groupable(raw: memoryview, itemsize: int) -> bool:
+    """Whether ``raw`` is whole elements of more than one byte (floats, and integers such as
+    token ids, whose high bytes are nearly constant)."""
+    return itemsize > 1 and raw.nbytes % itemsize == 0
 
 
 def _decompress(payload: memoryview | bytes, raw_len: int, where: str) -> bytes:
@@ -204,10 +244,6 @@ class ZstdCodec:
         self, raw: memoryview, *, itemsize: int, float_like: bool, threshold: float
     ) -> Encoded | None:
         """One frame, if a sample and then the whole shrink by ``threshold``."""
-        # Typed floats are byte-grouping's: where it declines, their random mantissa bytes
-        # keep plain zstd from paying too, and trying would compress everything twice.
-        if _byte_groupable(raw, itemsize, float_like):
-            return None
         comp = _compressor()
         sample = _sample(raw, 1)
         if _gain(sample, len(comp.compress(sample))) < threshold:
@@ -238,7 +274,7 @@ class ByteGroupedZstdCodec:
         self, raw: memoryview, *, itemsize: int, float_like: bool, threshold: float
     ) -> Encoded | None:
         """The planes, if the sampled estimate and then the whole shrink by ``threshold``."""
-        if not _byte_groupable(raw, itemsize, float_like):
+        if not _byte_groupable(raw, itemsize):
             return None
         comp = _compressor()
         sample_planes = _planes(memoryview(_sample(raw, itemsize)), itemsize)

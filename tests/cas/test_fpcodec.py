@@ -419,7 +419,9 @@ def test_registered_as_id_3_and_offered_floats_first() -> None:
     floats = as_bytes(weights(torch.bfloat16, 100_000))
     assert encode(floats, itemsize=2, float_like=True).codec is FPHUFF
     tokens = torch.randint(0, 50, (100_000,), generator=torch.Generator().manual_seed(0))
-    assert encode(as_bytes(tokens), itemsize=8, float_like=False).codec is ZSTD
+    assert encode(as_bytes(tokens), itemsize=8, float_like=False).codec is BGZSTD
+    text = b"".join(b"step=%d loss=0.%04d\n" % (i, i % 9973) for i in range(20_000))
+    assert encode(memoryview(text), itemsize=1, float_like=False).codec is ZSTD
 
 
 class SlowStore(LocalStore):
