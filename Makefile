@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp fuzz browser clean
+.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp bench-gpu fuzz browser clean
 
 # The editable install compiles the float codec's C extension in place: a changed source
 # reinstalls (and so recompiles) it.
@@ -75,6 +75,12 @@ bench: $(VENV)/.installed-bench
 ## bench-store: ckptstore against torch.save/torch.load and safetensors, with profiling extras
 bench-store: $(VENV)/.installed-dev
 	$(PY) bench/bench_store.py
+
+## bench-gpu: async-save blocked time of 4 and 16 GiB of GPU state against dcp.async_save's pinned
+## stager, and the device-to-host rate against the device's pinned-copy peak (prints one line and
+## exits 0 without CUDA); installs nothing beyond the project
+bench-gpu: $(VENV)/.installed-core
+	$(PY) bench/bench_gpu.py $(BENCH_ARGS)
 
 ## bench-dcp: 2-rank DCP save/load, ckptstore against DCP's FileSystemWriter/Reader (~1 min)
 bench-dcp: $(VENV)/.installed-dev
