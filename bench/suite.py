@@ -62,6 +62,7 @@ BENCHES = [
         ("--size-mib", "64", "--reps", "3", "--skip-s3"),
     ),
     Bench("codec", "bench_codec.py", (), ("--size-mib", "16", "--reps", "3")),
+    Bench("replay", "bench_replay_codec.py", (), ("--groups", "64", "--reps", "3")),
     Bench("s3", "bench_s3.py", ("--size-gib", "1"), ("--size-gib", "0.1")),
     Bench("cli", "bench_cli.py", (), ("--reps", "10")),
 ]
