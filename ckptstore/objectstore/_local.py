@@ -18,12 +18,18 @@ import stat
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ckptstore.errors import ConfigError, ObjectNotFoundError, ObjectStoreError
+from ckptstore.errors import (
+    ConfigError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+)
 from ckptstore.names import printable
 from ckptstore.objectstore.base import (
     TMP_PREFIX,
@@ -100,6 +106,20 @@ class LocalStore(ObjectStore):
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
+
+    def check_usable(self) -> None:
+        """The root is still a directory this process may create objects in."""
+        where = printable(self.root)
+        if not self.root.is_dir():
+            raise StoreNotFoundError(
+                f"local store {where} does not exist (any more) or is not a directory; "
+                "fix --store / $CKPTSTORE_STORE or recreate it"
+            )
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StorePermissionError(
+                f"local store {where} is not writable by this process (uid {os.getuid()}); "
+                "fix its permissions or choose another --store"
+            )
 
     def _error(self, action: str, key: str, exc: OSError) -> ObjectStoreError:
         return ObjectStoreError(f"{action} {self.url}/{key} failed: {exc.strerror or exc}")
@@ -241,6 +261,11 @@ class LocalStore(ObjectStore):
         if not stat.S_ISREG(st.st_mode):
             raise ObjectNotFoundError(f"object {self.url}/{key} does not exist")
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+
+    def sizes(self, keys: Sequence[str]) -> dict[str, int | None]:
+        """Each key's size, None where it does not exist: one ``stat`` each, in a loop (a
+        thread pool would cost more than the system calls)."""
+        return {key: self._size_or_none(key) for key in keys}
 
     def delete(self, keys: Iterable[str]) -> None:
         """Delete ``keys`` (missing ones are fine), in batches."""

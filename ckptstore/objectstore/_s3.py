@@ -14,7 +14,9 @@ sorts botocore's exceptions; :mod:`._s3_body` sends a list of buffers as one req
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +24,23 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import botocore.exceptions as bexc
 
-from ckptstore.errors import ConfigError, ObjectStoreError
+from ckptstore.errors import (
+    ConfigError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+)
 from ckptstore.names import printable
 from ckptstore.objectstore._retry import RetryPolicy
 from ckptstore.objectstore._s3_body import _PartsReader
-from ckptstore.objectstore._s3_client import _redact, check_bucket_name, make_client
+from ckptstore.objectstore._s3_client import (
+    _redact,
+    aws_retry_settings,
+    check_bucket_name,
+    make_client,
+    retry_policy,
+)
 from ckptstore.objectstore._s3_errors import (
     TruncatedResponseError,
     _code,
@@ -35,8 +49,11 @@ from ckptstore.objectstore._s3_errors import (
     classify,
 )
 from ckptstore.objectstore._s3_multipart import MultipartUploads
+from ckptstore.objectstore._s3_reader import S3ObjectReader
 from ckptstore.objectstore.base import (
+    USABLE_PROBE_KEY,
     ObjectInfo,
+    ObjectReader,
     ObjectStore,
     PutData,
     as_parts,
@@ -46,11 +63,12 @@ from ckptstore.objectstore.base import (
     uninitialized,
 )
 from ckptstore.objectstore.registry import StoreURL
-from ckptstore.objectstore.remote import RemoteCaller
+from ckptstore.objectstore.remote import RemoteCaller, strip_userinfo
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
 
+log = logging.getLogger("ckptstore.objectstore")
 T = TypeVar("T")
 B = TypeVar("B", bytearray, memoryview)
 MiB = 1 << 20
@@ -80,7 +98,9 @@ class S3Store(MultipartUploads, ObjectStore):
         part_size: Size of each multipart part (S3 needs >= 5 MiB except the last); 32 MiB
             parts took 0.48 CPU-s/GiB where 8 MiB parts took 0.56.
         max_concurrency: Parts uploaded in parallel for one object.
-        retry: Backoff policy for throttling, 5xx, timeouts and dropped connections.
+        retry: Backoff policy for throttling, 5xx, timeouts and dropped connections. Default:
+            ckptstore's, with boto3's ``max_attempts`` (``AWS_MAX_ATTEMPTS``) if that is set;
+            boto3's ``retry_mode`` (``AWS_RETRY_MODE``) is the client's mode either way.
         connect_timeout, read_timeout: Socket timeouts in seconds, so a hung request fails
             (and is retried) instead of hanging training.
         conditional_writes: Use ``If-None-Match: *`` for idempotent creates. ``None`` probes:
@@ -132,7 +152,8 @@ class S3Store(MultipartUploads, ObjectStore):
             check_key(self.prefix)
         self.multipart_threshold = multipart_threshold
         self.part_size = part_size
-        self.retry = retry or RetryPolicy()
+        aws_retry = aws_retry_settings(profile_name)
+        self.retry = retry_policy(retry, aws_retry, self.url)
         self._conditional = conditional_writes
         self._conditional_lock = threading.Lock()
         if client is None:
@@ -145,6 +166,7 @@ class S3Store(MultipartUploads, ObjectStore):
                 read_timeout=read_timeout,
                 max_pool_connections=max(16, 2 * max_concurrency),
                 sign_payload=sign_payload,
+                retry_mode=aws_retry.mode,
             )
         self.client: S3Client = client
         self.endpoint = _redact(self.client.meta.endpoint_url)
@@ -270,6 +292,64 @@ class S3Store(MultipartUploads, ObjectStore):
             raise TruncatedResponseError(f"reading {self.url}/{key}: got {got} of {length} bytes")
         return buf
 
+    @contextlib.contextmanager
+    def open_reader(self, key: str) -> Iterator[ObjectReader]:
+        """``key`` opened for reads at any offset (:class:`~.base.RandomAccess`): its first
+        bytes in one small GET, then reads in order from one streamed ranged GET."""
+        full = self._key(key)
+        reader = S3ObjectReader(
+            self.client,
+            self.bucket,
+            full,
+            f"{self.url}/{key}",
+            lambda fn: self._call("reading", key, fn),
+        )
+        try:
+            yield reader
+        finally:
+            reader.close()
+
+    def check_usable(self) -> None:
+        """One GET of a key no object has: the bucket exists, the endpoint answers and the
+        credentials are accepted. ``AccessDenied`` alone passes: credentials that may not list
+        the bucket are refused a missing object rather than told it is missing, and may still
+        read and write objects."""
+        try:
+            self._exists_by_get(USABLE_PROBE_KEY)
+        except StoreNotFoundError as exc:
+            raise StoreNotFoundError(
+                f"store {self.url}: bucket {self.bucket!r} does not exist at {self.endpoint}; "
+                f"create it (e.g. aws s3 mb s3://{self.bucket}, with --endpoint-url for a "
+                "non-AWS server) or fix the store URL (--store / $CKPTSTORE_STORE)"
+            ) from exc
+        except StorePermissionError as exc:
+            code = _cause_code(exc)
+            if code == "AccessDenied":
+                log.debug("%s: the usability check was denied (%s); going on", self.url, exc)
+                return
+            raise StorePermissionError(
+                f"store {self.url}: access denied ({code or exc}) by {self.endpoint}, which "
+                "refused the credentials; check the credentials boto3 finds (AWS_PROFILE, "
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY)"
+            ) from exc
+        except ObjectStoreError as exc:
+            cause = exc.__cause__ or exc
+            raise ObjectStoreError(
+                f"store {self.url}: endpoint {self.endpoint} did not answer "
+                f"({strip_userinfo(f'{type(cause).__name__}: {cause}')}); check the endpoint "
+                "(the store option endpoint_url, AWS_ENDPOINT_URL) and that the server is up"
+            ) from exc
+
+    def _exists_by_get(self, key: str) -> bool:
+        """Whether ``key`` exists, asked with a one-byte GET: unlike a HEAD, its error answer
+        says which of the bucket and the key is missing."""
+        full = self._key(key)
+        try:
+            self._call("checking", key, lambda: self._fetch(key, full, (0, 1), bytearray))
+        except ObjectNotFoundError:
+            return False
+        return True
+
     def head(self, key: str) -> ObjectInfo:
         """The object's size and modification time."""
         full = self._key(key)
@@ -338,6 +418,12 @@ class S3Store(MultipartUploads, ObjectStore):
 
     def __repr__(self) -> str:
         return f"S3Store({self.url!r}, endpoint={self.endpoint!r})"
+
+
+def _cause_code(exc: BaseException) -> str:
+    """The S3 error code of the botocore error behind ``exc``, or ``""``."""
+    cause = exc.__cause__
+    return _code(cause) if isinstance(cause, bexc.ClientError) else ""
 
 
 def open_s3_url(url: StoreURL, *, create: bool, **options: Any) -> S3Store:

@@ -3,24 +3,33 @@ client built from the store's options when the caller hands it none.
 
 The client's own retries are turned off (every request goes through one RemoteCaller policy),
 and its credentials come only from boto3's chain: an endpoint URL that embeds some is refused.
+boto3's retry settings are honoured all the same (:func:`aws_retry_settings`): a
+``max_attempts`` (``AWS_MAX_ATTEMPTS``) sets that policy's attempts, and a ``retry_mode``
+(``AWS_RETRY_MODE``) is the client's mode (``adaptive`` keeps its client-side rate limiting).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import boto3
+import botocore.session
 from botocore.config import Config
 
 from ckptstore.errors import ConfigError
 from ckptstore.names import printable
+from ckptstore.objectstore._retry import RetryPolicy
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
 
+log = logging.getLogger("ckptstore.objectstore")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", re.ASCII)
 _IPV4_RE = re.compile(r"\d+\.\d+\.\d+\.\d+", re.ASCII)
 
@@ -52,6 +61,77 @@ def check_bucket_name(bucket: str) -> str:
     )
 
 
+_RETRY_MODES = ("legacy", "standard", "adaptive")
+
+
+@dataclass(frozen=True, slots=True)
+class AwsRetrySettings:
+    """The retry settings boto3's configuration holds: ``AWS_MAX_ATTEMPTS`` and
+    ``AWS_RETRY_MODE``, or ``max_attempts`` and ``retry_mode`` in the profile; None if unset."""
+
+    max_attempts: int | None
+    mode: str | None
+    #: Where each came from, for the log: ``"AWS_MAX_ATTEMPTS"``, ``"profile 'ci'"``.
+    max_attempts_source: str = ""
+    mode_source: str = ""
+
+
+def aws_retry_settings(profile_name: str | None) -> AwsRetrySettings:
+    """boto3's retry settings (its own chain: the environment, then the profile), checked; a
+    value boto3 would refuse is a ConfigError naming the variable."""
+    core = botocore.session.Session(profile=profile_name)
+    profile = f"the AWS config file's profile {profile_name or 'default'!r}"
+    attempts_from = "AWS_MAX_ATTEMPTS" if "AWS_MAX_ATTEMPTS" in os.environ else profile
+    mode_from = "AWS_RETRY_MODE" if "AWS_RETRY_MODE" in os.environ else profile
+    try:
+        attempts = core.get_config_variable("max_attempts")
+    except ValueError as exc:
+        raise ConfigError(
+            f"max_attempts from {attempts_from} is not a whole number ({exc}); "
+            "set it to the total attempts per request, e.g. AWS_MAX_ATTEMPTS=5"
+        ) from exc
+    if attempts is not None and attempts < 1:
+        raise ConfigError(
+            f"max_attempts={attempts} from {attempts_from} must be >= 1 (the first attempt "
+            "counts), e.g. AWS_MAX_ATTEMPTS=5"
+        )
+    mode = core.get_config_variable("retry_mode")
+    if mode is not None and mode not in _RETRY_MODES:
+        raise ConfigError(
+            f"retry_mode={mode!r} from {mode_from} is not one of {list(_RETRY_MODES)}; "
+            "fix or unset it (e.g. AWS_RETRY_MODE=standard)"
+        )
+    return AwsRetrySettings(attempts, mode, attempts_from, mode_from)
+
+
+def retry_policy(given: RetryPolicy | None, settings: AwsRetrySettings, store: str) -> RetryPolicy:
+    """The policy for a store's requests: ``given`` (the store's ``retry`` option) if any, else
+    ckptstore's default with boto3's ``max_attempts`` when that is set. Says which at DEBUG."""
+    if given is not None:
+        if settings.max_attempts is not None:
+            log.debug(
+                "%s: max_attempts=%d from %s is not used: the store's retry option is given (%d "
+                "attempts)",
+                store,
+                settings.max_attempts,
+                settings.max_attempts_source,
+                given.max_attempts,
+            )
+        return given
+    default = RetryPolicy()
+    if settings.max_attempts is None:
+        return default
+    log.debug(
+        "%s: max_attempts=%d from %s replaces ckptstore's default of %d attempts per request "
+        "(ckptstore runs the retries, with its backoff; botocore's own stay off)",
+        store,
+        settings.max_attempts,
+        settings.max_attempts_source,
+        default.max_attempts,
+    )
+    return dataclasses.replace(default, max_attempts=settings.max_attempts)
+
+
 def make_client(
     *,
     endpoint_url: str | None,
@@ -62,8 +142,10 @@ def make_client(
     read_timeout: float,
     max_pool_connections: int,
     sign_payload: bool,
+    retry_mode: str | None = None,
 ) -> S3Client:
-    """A boto3 S3 client for S3Store's options (their meanings are on S3Store)."""
+    """A boto3 S3 client for S3Store's options (their meanings are on S3Store). ``retry_mode``
+    (boto3's configured one, if any) sets the client's mode; its attempts stay at one."""
     endpoint = (
         endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     )
@@ -76,7 +158,7 @@ def make_client(
         )
     style = addressing_style or ("path" if endpoint else "auto")
     config = Config(
-        retries={"total_max_attempts": 1, "mode": "standard"},
+        retries={"total_max_attempts": 1, "mode": cast(Any, retry_mode or "standard")},
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         max_pool_connections=max_pool_connections,
@@ -86,6 +168,13 @@ def make_client(
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
+    if retry_mode is not None:
+        log.debug(
+            "S3 client for %s: retry_mode=%s from boto3's configuration is used (adaptive: "
+            "botocore's client-side rate limiting); ckptstore still counts the attempts",
+            endpoint or "AWS",
+            retry_mode,
+        )
     session = boto3.session.Session(profile_name=profile_name, region_name=region_name)
     return session.client("s3", endpoint_url=endpoint_url, config=config)
 

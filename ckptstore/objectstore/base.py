@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeAlias, runtime_checkable
@@ -25,6 +26,8 @@ PutData: TypeAlias = BytesLike | Sequence[BytesLike]
 
 #: Segments starting with this are reserved for temporary files of an object being written.
 TMP_PREFIX = ".tmp-"
+#: The key :meth:`ObjectStore.check_usable` asks about; no object is ever stored under it.
+USABLE_PROBE_KEY = "ckptstore-usable-probe"
 _KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
 
 
@@ -107,8 +110,9 @@ class ObjectReader(Protocol):
 @runtime_checkable
 class RandomAccess(Protocol):
     """A store whose objects are cheap to read in pieces straight into the caller's memory (a
-    local file system). The blob reader then reads a raw blob into the tensors it fills,
-    hashing each piece while it is still in the CPU cache: no intermediate buffer, one pass."""
+    local file system; S3, one streamed ranged GET for pieces read in order). The blob reader
+    then reads a raw blob into the tensors it fills, hashing each piece while it is still in
+    the CPU cache: no intermediate buffer, one pass."""
 
     def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
         """``key`` opened for reading; ObjectNotFoundError if it does not exist."""
@@ -175,6 +179,22 @@ class ObjectStore(abc.ABC):
     def head(self, key: str) -> ObjectInfo:
         """Size and mtime of ``key``; raises ``ObjectNotFoundError`` if it does not exist."""
 
+    def sizes(self, keys: Sequence[str]) -> dict[str, int | None]:
+        """Each key's size, None where it does not exist: a commit checks every new blob of
+        every rank's receipt this way. The default asks ``head`` for 16 keys at a time on
+        threads (network stores); a store whose ``head`` is a system call overrides it with a
+        plain loop."""
+        if len(keys) <= 1:
+            return {key: self._size_or_none(key) for key in keys}
+        with ThreadPoolExecutor(min(16, len(keys))) as pool:
+            return dict(zip(keys, pool.map(self._size_or_none, keys), strict=True))
+
+    def _size_or_none(self, key: str) -> int | None:
+        try:
+            return self.head(key).size
+        except ObjectNotFoundError:
+            return None
+
     def exists(self, key: str) -> bool:
         """True if ``key`` exists."""
         try:
@@ -190,6 +210,16 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (for GC and fsck only)."""
+
+    def check_usable(self) -> None:
+        """One cheap request that fails now, with one clear error naming the store and the fix,
+        if the store cannot be used at all (a missing bucket or directory, an unreachable
+        endpoint, refused credentials). A writer calls it when it opens, so such a store fails
+        there rather than at the first save, minutes into a job. Raises ObjectStoreError.
+
+        This default asks whether a key exists that none has: a backend's ``head`` raises for a
+        missing store or an unreachable service. Backends override it with a sharper check."""
+        self.exists(USABLE_PROBE_KEY)
 
     def sweep_incomplete(self, older_than: float, *, dry_run: bool = False) -> tuple[int, int]:
         """Remove what writes that never finished left behind (a killed writer's temporary
