@@ -59,18 +59,25 @@ class RetentionPolicy:
             object.__setattr__(self, "rank_triggers", _trigger_set(self.rank_triggers))
 
 
+def check_trigger(trigger: str, option: str = "trigger") -> str:
+    """``trigger`` if it names a known trigger (:class:`Trigger`), else a ConfigError naming
+    ``option`` (the setting that holds it) and the known names. ``Run.save`` and the retention
+    policy both check their triggers here."""
+    if trigger not in set(Trigger):
+        raise ConfigError(
+            f"{option}: unknown trigger {trigger!r}; use one of {[t.value for t in Trigger]}"
+        )
+    return str(trigger)
+
+
 def _trigger_set(values: Iterable[str]) -> frozenset[str]:
     """``values`` as a frozenset of known trigger names, or ConfigError naming the bad one."""
-    known = [t.value for t in Trigger]
     if isinstance(values, str):
         raise ConfigError(
             f"retention rank_triggers={values!r} must be a collection of trigger names, "
             f"e.g. {{{values!r}}}, not one string"
         )
-    names = frozenset(str(v) for v in values)
-    unknown = sorted(n for n in names if n not in known)
-    if unknown:
-        raise ConfigError(f"retention rank_triggers has unknown trigger(s) {unknown}; use {known}")
+    names = frozenset(check_trigger(v, "retention rank_triggers") for v in values)
     if not names:
         raise ConfigError(
             "retention rank_triggers is empty, so no checkpoint could compete for keep_top_k; "

@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
-from ckptstore.checkpointer.handle import close_on_exit
+from ckptstore.checkpointer.handle import OneInFlight, Pending, close_on_exit
 from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.errors import ConfigError, RunStateError, SaveError
 from ckptstore.names import check_component_name, check_kind
 from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.serialize.save import ComponentResult, FlatState, write_component, write_flat
+from ckptstore.serialize.save import ComponentResult, FlatState, flatten_state, write_flat
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +57,7 @@ class ShardReceipt:
         return self.result.uploaded_bytes
 
 
-class ShardSave:
+class ShardSave(Pending[list[ShardReceipt]]):
     """An asynchronous :meth:`ShardWriter.save`; ``receipts()`` waits for its receipts."""
 
     def __init__(
@@ -69,45 +69,26 @@ class ShardSave:
         blocked_seconds: float,
         store_url: str,
     ) -> None:
+        super().__init__(future)
         self.components = components
         self.started_at = started_at
         self.blocked_seconds = blocked_seconds
-        self._future = future
         self._store_url = store_url
-        self._reported = False
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"ShardSave({list(self.components)}, {state}, store={self._store_url!r})"
 
-    def done(self) -> bool:
-        """True once every component is stored, or the save failed."""
-        return self._future.done()
-
     def receipts(self, timeout: float | None = None) -> list[ShardReceipt]:
         """The receipts, one per component. Raises ``TimeoutError`` (the save goes on) if
         ``timeout`` seconds pass first, ``SaveError`` if the save failed."""
-        error = self._future.exception(timeout)
-        if error is not None:
-            self._reported = True
-            raise self._failure(error) from error
-        return list(self._future.result())
+        return list(self._result(timeout))
 
     def _failure(self, error: BaseException) -> SaveError:
         return SaveError(
             f"the shard save of {list(self.components)} to {self._store_url} failed: "
             f"{type(error).__name__}: {error}; nothing from it can be committed -- save again"
         )
-
-    def _take_unreported(self) -> SaveError | None:
-        """The failure (once) of a finished save nobody has seen fail yet, else None."""
-        error = self._future.exception() if self.done() else None
-        if error is None or self._reported:
-            return None
-        self._reported = True
-        failure = self._failure(error)
-        failure.__cause__ = error
-        return failure
 
 
 class ShardWriter:
@@ -128,27 +109,27 @@ class ShardWriter:
         self._writer = BlobWriter(self.store, options)
         # Its buffers are reused by every save: safe, since one save at most is in flight.
         self._snapshotter = Snapshotter(keep_buffers=keep_snapshot_buffers)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-shards")
-        self._pending: ShardSave | None = None
+        self._inflight: OneInFlight[ShardSave] = OneInFlight("ckpt-shards")
         self._closed = False
 
     def __repr__(self) -> str:
         return f"ShardWriter(store={self.store.url!r})"
 
     def write(self, component: str, state: Any, *, kind: str = "state") -> ShardReceipt:
-        """Store ``state`` (do not mutate it until this returns) and return the receipt."""
+        """Store ``state`` (do not mutate it until this returns) and return the receipt: a
+        :meth:`save` of one component whose caller waits, with no snapshot copy."""
         started_at, started = time.time(), time.perf_counter()
         self._check_open()
         check_component_name(component)
         check_kind(kind)
-        self._settle()
+        self._inflight.settle()
         upload_started = time.perf_counter()
-        self._writer.forget()
-        result = write_component(self._writer, state)
-        self.store.flush()  # a receipt promises durable objects: the commit relies on it
+        flats = {component: flatten_state(state)}
+        (receipt,) = self._store(flats, {component: kind}, started_at, 0.0)
         ended = time.perf_counter()
-        return ShardReceipt(
-            component, result, kind, started_at, ended - started, ended - upload_started
+        # The caller waited for all of it: the upload is blocked time too.
+        return replace(
+            receipt, blocked_seconds=ended - started, upload_seconds=ended - upload_started
         )
 
     def save(
@@ -163,26 +144,26 @@ class ShardWriter:
         started_at, started = time.time(), time.perf_counter()
         self._check_open()
         kind_of = check_components(components, kinds)
-        self._settle()
+        self._inflight.settle()
         flats = self._snapshotter.take(components)
         blocked = time.perf_counter() - started
-        future = self._executor.submit(self._store_all, flats, kind_of, started_at, blocked)
-        self._pending = ShardSave(
-            tuple(kind_of),
-            future,
-            started_at=started_at,
-            blocked_seconds=blocked,
-            store_url=self.store.url,
+        return self._inflight.submit(
+            lambda: self._store_snapshot(flats, kind_of, started_at, blocked),
+            lambda future: ShardSave(
+                tuple(kind_of),
+                future,
+                started_at=started_at,
+                blocked_seconds=blocked,
+                store_url=self.store.url,
+            ),
         )
-        return self._pending
 
     def finalize(self) -> list[ShardReceipt] | None:
         """Wait for the save in flight: its receipts, or its unreported failure raised as
         ``SaveError``; None if no save was in flight (or its failure was already reported)."""
-        finished = self._settle()
-        if finished is None or finished._future.exception() is not None:
-            return None
-        return list(finished._future.result())
+        settled = self._inflight.settle()
+        receipts = None if settled is None else settled._outcome()
+        return None if receipts is None else list(receipts)
 
     def close(self) -> None:
         """Finalize (raising an unreported failure), then release the threads (and the store,
@@ -193,7 +174,7 @@ class ShardWriter:
             self.finalize()
         finally:
             self._closed = True
-            self._executor.shutdown(wait=True)
+            self._inflight.shutdown()
             self._snapshotter.clear()
             self._writer.close()
             if self._owns_store:
@@ -214,41 +195,36 @@ class ShardWriter:
         if self._closed:
             raise RunStateError(f"{self!r} is closed; create a new ShardWriter to save")
 
-    def _settle(self) -> ShardSave | None:
-        """Wait for the save in flight and forget it; raise its failure if nobody saw it."""
-        pending = self._pending
-        if pending is None:
-            return None
-        pending._future.exception()  # wait without raising; an interrupt leaves it pending
-        self._pending = None
-        failure = pending._take_unreported()
-        if failure is not None:
-            raise failure
-        return pending
-
-    def _store_all(
+    def _store_snapshot(
         self,
         flats: dict[str, FlatState],
         kind_of: dict[str, str],
         started_at: float,
         blocked: float,
     ) -> list[ShardReceipt]:
-        """The background half of ``save``: every snapshotted component, stored in turn; then
-        the snapshot's memory may go."""
+        """The background half of ``save``: the snapshot stored, then its memory may go."""
         try:
-            self._writer.forget()
-            receipts = []
-            for name, flat in flats.items():
-                began = time.perf_counter()
-                result = write_flat(self._writer, flat)
-                upload = time.perf_counter() - began
-                receipts.append(
-                    ShardReceipt(name, result, kind_of[name], started_at, blocked, upload)
-                )
-            self.store.flush()  # a receipt promises durable objects: the commit relies on it
-            return receipts
+            return self._store(flats, kind_of, started_at, blocked)
         finally:
             self._snapshotter.release()
+
+    def _store(
+        self,
+        flats: dict[str, FlatState],
+        kind_of: dict[str, str],
+        started_at: float,
+        blocked: float,
+    ) -> list[ShardReceipt]:
+        """Every flattened component, stored in turn and made durable: their receipts."""
+        self._writer.forget()
+        receipts = []
+        for name, flat in flats.items():
+            began = time.perf_counter()
+            result = write_flat(self._writer, flat)
+            upload = time.perf_counter() - began
+            receipts.append(ShardReceipt(name, result, kind_of[name], started_at, blocked, upload))
+        self.store.flush()  # a receipt promises durable objects: the commit relies on it
+        return receipts
 
 
 def check_components(

@@ -262,7 +262,7 @@ def test_retention_policy_rejects_negative_counts() -> None:
     [
         ({"keep_every_n_steps": 0}, "keep_every_n_steps=0 must be >= 1"),
         ({"keep_every_n_steps": -3}, "keep_every_n_steps=-3 must be >= 1"),
-        ({"rank_triggers": {"periodic"}}, r"unknown trigger\(s\) \['periodic'\]"),
+        ({"rank_triggers": {"periodic"}}, r"rank_triggers: unknown trigger 'periodic'"),
         ({"rank_triggers": "period"}, "not one string"),
         ({"rank_triggers": []}, "rank_triggers is empty"),
     ],
@@ -305,3 +305,17 @@ def test_rank_triggers_and_every_n_steps_end_to_end(db_url: str, store: LocalSto
         assert deleted == [6, 7]
         run.save(9, state, trigger="last", metrics=R(0.0)).wait()
         assert [c.step for c in run.checkpoints(["committed"])] == [2, 4, 5, 9]
+
+
+def test_save_and_policy_refuse_an_unknown_trigger_alike(db_url: str, store: LocalStore) -> None:
+    """One check serves ``Run.save(trigger=...)`` and ``rank_triggers``: the same message, naming
+    the setting and the known triggers; the refused save leaves no checkpoint."""
+    known = str([t.value for t in Trigger])
+    with pytest.raises(ConfigError, match="rank_triggers: unknown trigger 'periodic'") as policy:
+        RetentionPolicy(keep_top_k=1, rank_triggers={"periodic"})
+    assert known in str(policy.value)
+    with open_run("bad-trigger", db=db_url, store=store) as run:
+        with pytest.raises(ConfigError, match="trigger: unknown trigger 'periodic'") as save:
+            run.save(1, {"policy": {"w": torch.zeros(2)}}, trigger="periodic")
+        assert known in str(save.value)
+        assert run.checkpoints() == []
