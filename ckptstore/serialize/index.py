@@ -2,6 +2,8 @@
 
 The index is JSON. Reading one never runs code, and every field is validated before anything
 is allocated, so a crafted index from an untrusted bucket fails with ``SerializationError``.
+Decoding one imports neither torch nor numpy (numpy only for an ``ndarray`` entry's dtype), so
+readers without torch (the web UI) use :func:`decode_index` too.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Any
 from ckptstore.cas.digest import check_digest
 from ckptstore.cas.header import MAX_RAW_LEN
 from ckptstore.errors import CkptStoreError, SerializationError
-from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
-from ckptstore.serialize.tree import ARRAY_KINDS
+from ckptstore.serialize.dtypes import element_size, numpy_dtype
 
 FORMAT = "ckptstore/index"
 VERSION = 1
 MAX_DIMS = 64
+#: Kinds of entries: array-like ones own bytes in blobs; the rest are JSON values.
+ARRAY_KINDS = frozenset({"tensor", "ndarray", "npscalar", "bytes", "bytearray"})
 JSON_KINDS = frozenset({"json", "dtype", "float"})
 
 
@@ -155,7 +158,7 @@ def _entry(raw: Any, where: str) -> Entry:
     if kind in JSON_KINDS:
         value = raw.get("value")
         if kind == "dtype":
-            torch_dtype(str(value), where)
+            element_size(str(value), where)
         elif kind == "float":
             if not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{16}", value)):
                 raise SerializationError(f"{where}: a float entry holds 16 hex digits")
@@ -168,7 +171,7 @@ def _entry(raw: Any, where: str) -> Entry:
     if not isinstance(dtype, str):
         raise SerializationError(f"{where}: dtype must be a string")
     if kind == "tensor":
-        itemsize = torch_dtype(dtype, where).itemsize
+        itemsize = element_size(dtype, where)
     elif kind in ("bytes", "bytearray"):
         if dtype != "uint8":
             raise SerializationError(f"{where}: byte strings must have dtype uint8")

@@ -1,8 +1,8 @@
 """What each page shows, as records: the JSON API returns them as they are (``/api/...``) and
 the HTML pages render them (:mod:`ckptstore.web.pages`).
 
-Everything is read through the manifest's read functions (:mod:`ckptstore.manifest.reads`,
-:mod:`~ckptstore.manifest.reports`, :mod:`~ckptstore.manifest.webqueries`) on a database
+Everything is read through the manifest's read functions (:mod:`ckptstore.manifest.reading`,
+:mod:`~ckptstore.manifest.reporting`, :mod:`~ckptstore.manifest.serving`) on a database
 opened read-only, and, for state-dict names only, the component indexes in the store. The
 records inside are the CLI's: a run's summary is ``ckptstore runs --json``'s, a checkpoint
 ``ckptstore show --json``'s, usage ``ckptstore du --json``'s.
@@ -18,14 +18,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ckptstore.cli.commands.du import DiskUsage, RunUsage
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, ConfigError
-from ckptstore.manifest import reads, reports, webqueries
+from ckptstore.maintenance.usage import DiskUsage, disk_usage
+from ckptstore.manifest import reading as reads
+from ckptstore.manifest import reporting as reports
+from ckptstore.manifest import serving as webqueries
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo, RunInfo
-from ckptstore.manifest.reports import RunSummary
-from ckptstore.manifest.statuses import Status
-from ckptstore.manifest.webqueries import (
+from ckptstore.manifest.reporting import RunSummary
+from ckptstore.manifest.serving import (
     BlobKindUsage,
     DamagedBlob,
     GcPreview,
@@ -33,6 +34,7 @@ from ckptstore.manifest.webqueries import (
     Lineage,
     SavePoint,
 )
+from ckptstore.manifest.statuses import Status
 from ckptstore.web import commands
 from ckptstore.web.compare import TensorDiff, compare, counts
 from ckptstore.web.entries import IndexCache, Piece, TensorRow, layout_of, tensor_rows
@@ -179,7 +181,7 @@ class RunView:
 
 class HistoryPoint(NamedTuple):
     """A checkpoint as the run page's charts plot it (one per checkpoint: a named tuple, as
-    :class:`~ckptstore.manifest.webqueries.SavePoint`)."""
+    :class:`~ckptstore.manifest.serving.SavePoint`)."""
 
     point: SavePoint
     fate: Fate
@@ -440,12 +442,7 @@ class StorageView:
 
 def storage_view(site: Site) -> StorageView:
     """The storage page."""
-    report = reports.usage(site.db)
-    usage = DiskUsage(
-        [RunUsage.of(u) for u in report.runs],
-        RunUsage.of(report.total),
-        report.all_blob_rows_stored_bytes,
-    )
+    usage = DiskUsage.of(*disk_usage(site.db))
     now = dt.datetime.now(dt.UTC)
     with site.db.connect() as conn:
         kinds = webqueries.kind_usage(conn)

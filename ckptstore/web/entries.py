@@ -1,9 +1,9 @@
 """A checkpoint's state-dict names, read from its component indexes without torch.
 
-A component's index blob is JSON (:mod:`ckptstore.serialize.index`); the parser in this module
-reads the fields a page shows (path, kind, dtype, shape, size, the blob pieces that hold the
-bytes) and checks their types, but never imports torch: the server must start and run without
-it. Indexes are content-addressed, so one read and verified is kept (:class:`IndexCache`).
+A component's index blob is JSON, decoded and validated by
+:func:`ckptstore.serialize.index.decode_index`, which never imports torch: the server must start
+and run without it. Indexes are content-addressed, so one read and verified is kept
+(:class:`IndexCache`).
 
 Three layouts are told apart by their components:
 
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import SerializationError
 from ckptstore.manifest.records import ComponentInfo
+from ckptstore.serialize.index import ARRAY_KINDS, Entry, decode_index
 
 if TYPE_CHECKING:
     from ckptstore.objectstore import ObjectStore
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 #: The largest index the server reads (an index of ~300,000 entries); beyond it, use
 #: ``ckptstore show --entries``.
 MAX_INDEX_BYTES = 64 << 20
-#: Entry kinds whose bytes live in blobs (the rest hold a JSON value in the index).
-ARRAY_KINDS = frozenset({"tensor", "ndarray", "bytes", "bytearray"})
 DCP_METADATA = "dcp/metadata"
 DCP_RANK = "dcp/rank"
 MEGATRON_META = "megatron/meta"
@@ -55,25 +54,12 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
-class IndexEntry:
-    """One entry of a component index."""
-
-    path: str
-    kind: str
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
-    nbytes: int = 0
-    pieces: tuple[Piece, ...] = ()
-    value: Any = None
-
-
-@dataclass(frozen=True, slots=True)
 class Index:
     """A component index: its structure tree and entries (also by path)."""
 
     tree: Any
-    entries: tuple[IndexEntry, ...]
-    by_path: dict[str, IndexEntry] = field(default_factory=dict)
+    entries: tuple[Entry, ...]
+    by_path: dict[str, Entry] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,45 +93,10 @@ class TensorRow:
 
 
 def parse_index(raw: bytes | memoryview, where: str) -> Index:
-    """An index blob's raw bytes as an :class:`Index`; SerializationError naming ``where``."""
-    try:
-        doc = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as exc:
-        raise SerializationError(f"{where}: the index is not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != "ckptstore/index":
-        raise SerializationError(f"{where}: not a ckptstore component index")
-    raw_entries = doc.get("entries")
-    if not isinstance(raw_entries, list):
-        raise SerializationError(f"{where}: the index has no entry list")
-    entries = tuple(_entry(e, f"{where}, entry {i}") for i, e in enumerate(raw_entries))
-    return Index(doc.get("tree"), entries, {e.path: e for e in entries})
-
-
-def _entry(raw: Any, where: str) -> IndexEntry:
-    if not isinstance(raw, dict) or not isinstance(raw.get("path"), str):
-        raise SerializationError(f"{where}: malformed entry")
-    path, kind = raw["path"], raw.get("kind")
-    if not isinstance(kind, str):
-        raise SerializationError(f"{where}: the entry kind is not a string")
-    if kind not in ARRAY_KINDS:
-        return IndexEntry(path, kind, value=raw.get("value"))
-    dtype, nbytes, segments = raw.get("dtype"), raw.get("nbytes", -1), raw.get("segments")
-    if not (isinstance(dtype, str) and _is_count(nbytes) and isinstance(segments, list)):
-        raise SerializationError(f"{where} ({path!r}): malformed array entry")
-    pieces = tuple(_piece(s, where) for s in segments)
-    return IndexEntry(path, kind, dtype, _dims(raw.get("shape"), where), nbytes, pieces)
-
-
-def _piece(raw: Any, where: str) -> Piece:
-    if not (
-        isinstance(raw, list)
-        and len(raw) == 3
-        and isinstance(raw[0], str)
-        and _is_count(raw[1])
-        and _is_count(raw[2])
-    ):
-        raise SerializationError(f"{where}: malformed segment")
-    return Piece(raw[0], raw[1], raw[2])
+    """An index blob's raw bytes as an :class:`Index` (decoded by
+    :func:`~ckptstore.serialize.index.decode_index`); SerializationError naming ``where``."""
+    decoded = decode_index(raw, where)
+    return Index(decoded.tree, decoded.entries, {e.path: e for e in decoded.entries})
 
 
 def _is_count(value: Any) -> bool:
@@ -227,7 +178,7 @@ def rank_of(component: str) -> tuple[int, ...]:
     return (int(match.group(1)),) if match else ()
 
 
-def _plain_row(component: str, entry: IndexEntry) -> TensorRow:
+def _plain_row(component: str, entry: Entry) -> TensorRow:
     return TensorRow(
         component,
         entry.path,
@@ -236,7 +187,7 @@ def _plain_row(component: str, entry: IndexEntry) -> TensorRow:
         entry.shape,
         entry.nbytes,
         rank_of(component),
-        entry.pieces,
+        tuple(Piece(s.digest, s.offset, s.length) for s in entry.segments),
         entry.value,
     )
 
@@ -265,12 +216,12 @@ class _Shards:
     kind: str
     dtype: str
     shape: tuple[int, ...]
-    held: list[tuple[tuple[int, ...], int, IndexEntry]] = field(default_factory=list)
+    held: list[tuple[tuple[int, ...], int, Entry]] = field(default_factory=list)
 
     def row(self, component: str, name: str) -> TensorRow:
         held = sorted(self.held, key=lambda h: (h[0], h[1], h[2].path))
         pieces = tuple(
-            Piece(p.digest, p.offset, p.length, at) for at, _, e in held for p in e.pieces
+            Piece(s.digest, s.offset, s.length, at) for at, _, e in held for s in e.segments
         )
         value = held[0][2].value if held and self.kind == "value" else None
         return TensorRow(
@@ -306,7 +257,7 @@ def _dcp_rows(by_name: dict[str, ComponentInfo], index_of: IndexOf) -> list[Tens
     return [shards.row("dcp", fqn) for fqn, shards in found.items()]
 
 
-def _item_entry(index: Index, position: int, where: str) -> IndexEntry:
+def _item_entry(index: Index, position: int, where: str) -> Entry:
     """The entry of item ``position`` of a DCP rank component (a list, one entry per item)."""
     nodes = index.tree.get("l") if isinstance(index.tree, dict) else None
     node = nodes[position] if isinstance(nodes, list) and 0 <= position < len(nodes) else None

@@ -14,10 +14,15 @@ from ckptstore.cas.digest import blob_key
 from ckptstore.checkpointer import open_run
 from ckptstore.checkpointer.shards import ShardWriter
 from ckptstore.errors import SerializationError
-from ckptstore.integrations._megatron_commit import meta_state
-from ckptstore.integrations._megatron_layout import META, Layout, ObjectShard, TensorShard
+from ckptstore.integrations._common.megatron_layout import (
+    META,
+    Layout,
+    ObjectShard,
+    TensorShard,
+    meta_state,
+)
 from ckptstore.manifest.records import CheckpointInfo
-from ckptstore.manifest.webqueries import open_readonly
+from ckptstore.manifest.serving import open_readonly
 from ckptstore.objectstore import LocalStore
 from ckptstore.web.data import Site, tensor_table
 from ckptstore.web.entries import IndexCache, parse_index, tensor_rows
@@ -50,7 +55,7 @@ def index_doc(**fields: Any) -> bytes:
 def test_parse_index_reads_an_entry() -> None:
     index = parse_index(index_doc(), "here")
     entry = index.by_path["w"]
-    assert (entry.dtype, entry.shape, entry.nbytes, entry.pieces[0].length) == (
+    assert (entry.dtype, entry.shape, entry.nbytes, entry.segments[0].length) == (
         "float32",
         (2,),
         8,
