@@ -36,8 +36,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from ckptstore.manifest.serving import open_readonly  # noqa: E402
 from ckptstore.manifest.statuses import Status  # noqa: E402
-from ckptstore.manifest.webqueries import open_readonly  # noqa: E402
 from ckptstore.web.data import Site  # noqa: E402
 from ckptstore.web.routes import App, Request  # noqa: E402
 from ckptstore.web.server import Server  # noqa: E402

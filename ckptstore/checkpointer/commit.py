@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +37,9 @@ from ckptstore.cas.writer import BlobWriter
 from ckptstore.checkpointer.repair import recheck
 from ckptstore.checkpointer.retention import Candidate, RetentionPolicy, to_delete
 from ckptstore.checkpointer.shards import ShardReceipt
-from ckptstore.errors import FencedError, ObjectNotFoundError, SaveError
-from ckptstore.manifest import reads
-from ckptstore.manifest import transactions as tx
+from ckptstore.errors import FencedError, SaveError
+from ckptstore.manifest import committing as tx
+from ckptstore.manifest import reading as reads
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import BlobClaim, CheckpointInfo, ComponentInfo
 from ckptstore.objectstore import ObjectStore
@@ -239,8 +238,8 @@ def check_objects(store: ObjectStore, digests: Sequence[str]) -> Mapping[str, in
     missing."""
     if not digests:
         return {}
-    with ThreadPoolExecutor(min(16, len(digests))) as pool:
-        sizes = dict(zip(digests, pool.map(lambda d: _object_size(store, d), digests), strict=True))
+    found = store.sizes([blob_key(d) for d in digests])
+    sizes = {d: found[blob_key(d)] for d in digests}
     missing = [d for d, size in sizes.items() if size is None]
     if missing:
         raise SaveError(
@@ -249,13 +248,6 @@ def check_objects(store: ObjectStore, digests: Sequence[str]) -> Mapping[str, in
             "save ran?); nothing was committed and the next save uploads them again"
         )
     return sizes
-
-
-def _object_size(store: ObjectStore, digest: str) -> int | None:
-    try:
-        return store.head(blob_key(digest)).size
-    except ObjectNotFoundError:
-        return None
 
 
 def committed_despite(writer: Writer, checkpoint_id: int, exc: Exception) -> CheckpointInfo | None:

@@ -13,9 +13,9 @@ from ckptstore.checkpointer.jsonvalues import plain_json
 from ckptstore.checkpointer.retention import RetentionPolicy
 from ckptstore.checkpointer.run import Run
 from ckptstore.errors import ConfigError
-from ckptstore.manifest import reads
-from ckptstore.manifest import transactions as tx
+from ckptstore.manifest import reading
 from ckptstore.manifest.db import Database
+from ckptstore.manifest.opening import CheckConfig, open_run_row
 from ckptstore.manifest.records import RunInfo
 from ckptstore.names import check_run_name, check_step, parse_target
 from ckptstore.objectstore import ObjectStore, open_store
@@ -28,13 +28,13 @@ def open_run(
     db: str | Path | Database | None = None,
     store: str | Path | ObjectStore | None = None,
     config: Mapping[str, Any] | None = None,
+    identity: Mapping[str, Any] | None = None,
     writable: bool = True,
     retention: RetentionPolicy | None = None,
     writer_options: WriterOptions | None = None,
     async_save: bool = True,
     keep_snapshot_buffers: bool = False,
     fork_from: str | tuple[str, int] | None = None,
-    allow_config_change: bool = False,
 ) -> Run:
     """Open (or create) the run ``name``.
 
@@ -43,8 +43,13 @@ def open_run(
             ``./.ckptstore/manifest.db``.
         store: Object store URL or directory; default ``$CKPTSTORE_STORE`` or
             ``./.ckptstore/store``.
-        config: The run's configuration (JSON). Reopening a run with a different config is
-            refused unless ``allow_config_change``.
+        config: The run's configuration (JSON). A writer records the config it opens with.
+        identity: The part of ``config`` that identifies the run (what its checkpoints were
+            trained with, e.g. the model), itself a mapping: nested mappings are compared key
+            by key, and what it leaves out (learning rate, step counts) may change between
+            opens. Reopening a run whose recorded config differs in ``identity`` is refused
+            (ConfigError naming the keys). None (the default): the whole config identifies
+            the run, so any change is refused; ``{}``: every change is recorded.
         writable: Open as the run's writer. This bumps the run's writer epoch, so an older
             writer still alive can no longer commit (fencing). Only a writer creates a missing
             database or store; a reader gets a ConfigError naming the path.
@@ -78,17 +83,20 @@ def open_run(
         )
         if not isinstance(store, ObjectStore):
             owns.append(objects)
+        if writable:
+            objects.check_usable()  # a missing bucket fails here, not at the first save
         cfg = plain_json(config, "config")
-        opened = tx.open_run_row(
+        fingerprint = config_fingerprint(cfg) if cfg is not None else None
+        opened = open_run_row(
             database,
             name,
             writable=writable,
             config=cfg,
-            fingerprint=config_fingerprint(cfg) if cfg is not None else None,
+            fingerprint=fingerprint,
             fork_from=parent,
             metric_name=retention.metric_name,
             higher_is_better=retention.higher_is_better,
-            allow_config_change=allow_config_change,
+            check_config=config_check(name, cfg, fingerprint, plain_json(identity, "identity")),
         )
         return Run(
             db=database,
@@ -112,10 +120,10 @@ def run_info(name: str, *, db: str | Path | Database | None = None) -> RunInfo |
     """The run ``name`` as recorded (config, lineage, writer epoch), or None; read-only."""
     check_run_name(name)
     if isinstance(db, Database):
-        return reads.find_run(db, name)
+        return reading.find_run(db, name)
     database = Database(db if db is not None else default_db(), create=False)
     try:
-        return reads.find_run(database, name)
+        return reading.find_run(database, name)
     finally:
         database.close()
 
@@ -124,6 +132,70 @@ def config_fingerprint(config: Mapping[str, Any]) -> str:
     """A stable SHA-256 of a JSON config (key order does not matter)."""
     canonical = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def config_check(
+    name: str,
+    config: dict[str, Any] | None,
+    fingerprint: str | None,
+    identity: dict[str, Any] | None,
+) -> CheckConfig:
+    """The rule :func:`open_run` gives the manifest: a run that recorded a config may be
+    reopened with ``config`` only if ``identity`` (None: the whole config) is unchanged."""
+    if identity is not None:
+        if config is None:
+            raise ConfigError("identity names a part of config: pass config=... as well")
+        if stray := identity_changes(config, identity):
+            raise ConfigError(
+                f"identity must be a part of config, but config differs at {', '.join(stray)}; "
+                "take identity's values from config"
+            )
+
+    def check(recorded: dict[str, Any] | None, recorded_fingerprint: str | None) -> None:
+        if config is None or recorded_fingerprint in (None, fingerprint):
+            return
+        fix = (
+            "open a new run name instead, forked from this one if its checkpoints should carry "
+            f"over (fork_from='{name}@STEP' records the lineage)"
+        )
+        if identity is None:
+            changed = changed_keys(recorded or {}, config)
+            raise ConfigError(
+                f"run {name!r} was created with a different config (changed: "
+                f"{', '.join(changed)}); {fix}, or pass identity=<the part of config that "
+                "must not change> so that the rest may (identity={} records any change)"
+            )
+        if changed := identity_changes(recorded, identity):
+            raise ConfigError(
+                f"run {name!r} was created with a different identity (changed: "
+                f"{', '.join(changed)}): its checkpoints do not belong to this config; {fix}"
+            )
+
+    return check
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two nested configs (a key one lacks differs
+    unless the other's value is None)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        keys = sorted(set(old) | set(new))
+        return [
+            k for key in keys for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")
+        ]
+    return [] if old == new else [prefix.rstrip(".")]
+
+
+def identity_changes(recorded: Mapping[str, Any] | None, identity: Mapping[str, Any]) -> list[str]:
+    """Dotted keys of ``identity`` whose values the ``recorded`` config does not hold: nested
+    mappings are compared key by key, and a key ``identity`` leaves out is not compared."""
+    return changed_keys(_shaped_like(recorded or {}, identity), identity)
+
+
+def _shaped_like(value: Any, shape: Any) -> Any:
+    """``value`` with only the keys ``shape`` has, at every level where both are mappings."""
+    if isinstance(value, Mapping) and isinstance(shape, Mapping):
+        return {k: _shaped_like(value[k], shape[k]) for k in shape if k in value}
+    return value
 
 
 def parse_fork(fork_from: str | tuple[str, int]) -> tuple[str, int]:

@@ -28,8 +28,8 @@ from ckptstore.cas.blobs import MissingBlobError, get_blob, good_quarantined_cop
 from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import MAX_RAW_LEN
 from ckptstore.errors import IntegrityError, UnreadableError
-from ckptstore.manifest import reads
-from ckptstore.manifest import transactions as tx
+from ckptstore.manifest import reading as reads
+from ckptstore.manifest import repairing as tx
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore

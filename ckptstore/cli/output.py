@@ -24,7 +24,7 @@ from typing import Any
 from ckptstore.names import printable
 
 #: What ``du`` and ``runs`` mean by their byte columns and ratios (the one definition is
-#: :class:`ckptstore.manifest.reports.Usage`), for their ``--help``.
+#: :class:`ckptstore.manifest.reporting.Usage`), for their ``--help``.
 RATIOS_HELP = (
     "Bytes of committed checkpoints. logical: tensor data they hold; referenced: raw bytes of "
     "the blobs each one references (indexes and pack tables included), summed over them; "

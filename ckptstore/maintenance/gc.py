@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.errors import GcBusyError
-from ckptstore.manifest import garbage, transactions
+from ckptstore.manifest import collecting as garbage
+from ckptstore.manifest import repairing as transactions
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import utcnow
 

@@ -1,4 +1,6 @@
-"""The manifest database: SQLAlchemy models, queries, engines and schema checks."""
+"""The manifest database: SQLAlchemy models, engines and schema checks, and the named operations
+on it (``reading``, ``opening``, ``committing``, ``repairing``, ``collecting``, ``reporting``,
+``serving``). Their statements are private: Core in ``_sql/``, ORM in ``_orm/``."""
 
 from __future__ import annotations
 

@@ -450,7 +450,7 @@ class Database:
 
     @contextlib.contextmanager
     def connect(self) -> Iterator[Connection]:
-        """A read on SQLAlchemy Core, without the ORM (see :mod:`ckptstore.manifest.lookups`);
+        """A read on SQLAlchemy Core, without the ORM (see :mod:`ckptstore.manifest._sql`);
         like :meth:`read`, its transaction is rolled back when the block ends."""
         with self._reading(), self.engine.connect() as conn:
             yield conn

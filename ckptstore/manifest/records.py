@@ -1,7 +1,7 @@
 """The public records: one frozen dataclass per kind of row, what the API, the CLI and ``--json``
-show. Rows become records in one place, :mod:`ckptstore.manifest.lookups`, which fills each
+show. Rows become records in one place, :mod:`ckptstore.manifest._sql.tables`, which fills each
 record's fields from the columns of the same names, so a new column is the model, its
-migration, the light table in ``lookups`` and a field here -- and then it appears everywhere.
+migration, the light table in ``_sql.tables`` and a field here -- and then it appears everywhere.
 """
 
 from __future__ import annotations

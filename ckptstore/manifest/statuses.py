@@ -1,8 +1,8 @@
 """The values a manifest row's status, trigger and state may take (DESIGN.md §6).
 
 Apart from the ORM models (:mod:`ckptstore.manifest.models`, which re-exports them and makes
-each a CHECK constraint) so that readers on SQLAlchemy Core (:mod:`ckptstore.manifest.lookups`,
-:mod:`ckptstore.manifest.reports`) and the CLI's read commands can name them without
+each a CHECK constraint) so that readers on SQLAlchemy Core (:mod:`ckptstore.manifest._sql`,
+:mod:`ckptstore.manifest.reporting`) and the CLI's read commands can name them without
 importing the ORM.
 """
 

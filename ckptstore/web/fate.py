@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.manifest.serving import SavePoint
 from ckptstore.manifest.statuses import Status
-from ckptstore.manifest.webqueries import SavePoint
 
 KEPT = "kept"
 

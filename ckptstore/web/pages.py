@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckptstore.manifest.webqueries import Lineage
+from ckptstore.manifest.serving import Lineage
 from ckptstore.web.data import RunsView, StorageView
 from ckptstore.web.layout import (
     checkpoint_link,

@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptstore.cli.output import dumps
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError
-from ckptstore.manifest import reads
+from ckptstore.manifest import reading as reads
 from ckptstore.names import parse_target
 from ckptstore.web import data, pages, pages_run
 from ckptstore.web.data import Site

@@ -11,7 +11,7 @@ Safe by default:
   through a DNS name it rebinds to 127.0.0.1.
 - Every other method is 405; a bad path or id is 404 with a plain message; every response
   forbids inline scripts and framing (``Content-Security-Policy``), sniffing and referrers.
-- The database is opened read-only (:func:`ckptstore.manifest.webqueries.open_readonly`), the
+- The database is opened read-only (:func:`ckptstore.manifest.serving.open_readonly`), the
   store never written: no endpoint writes anything, whatever a handler does.
 """
 

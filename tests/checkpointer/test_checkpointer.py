@@ -33,7 +33,7 @@ from ckptstore.errors import (
     SaveError,
 )
 from ckptstore.manifest import Database
-from ckptstore.manifest import queries as q
+from ckptstore.manifest._orm import checkpoints as q
 from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, CheckpointRow, RunRow, Status
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize.compare import first_difference
@@ -157,10 +157,11 @@ def test_resume_skips_rows_that_are_not_committed(
             # What a writer that died mid-upload leaves behind.
             epoch = run.epoch
             assert epoch is not None
-            run.db.write(lambda s: q.begin_checkpoint(s, run.id, 3, epoch, "period"))
+            run.db.write(lambda s: q.insert_pending(s, run.id, 3, epoch, "period"))
         else:
             info = run.save(3, states[3]).wait()
-            run.db.write(lambda s: q.mark(s, info.id, Status(hidden), f"{hidden} in this test"))
+            note = f"{hidden} in this test"
+            run.db.write(lambda s: q.set_status(s, info.id, Status(hidden), note))
 
     # A new job resumes: only committed checkpoints exist for it.
     with open_run("resume", db=db_url, store=store) as resumed:
@@ -599,13 +600,13 @@ def test_reopening_with_another_config_needs_permission(db_url: str, store: Loca
         pass  # same config: fine
     with open_run("conf", db=db_url, store=store):
         pass  # no config given: resume as is
-    with pytest.raises(ConfigError, match="allow_config_change") as excinfo:
+    with pytest.raises(ConfigError, match="identity=") as excinfo:
         open_run("conf", db=db_url, store=store, config={**config, "lr": 2e-4, "seed": 2})
     assert "lr" in str(excinfo.value)
     assert "seed" in str(excinfo.value)
     assert "model" not in str(excinfo.value)
     changed = {**config, "lr": 2e-4}
-    with open_run("conf", db=db_url, store=store, config=changed, allow_config_change=True) as run:
+    with open_run("conf", db=db_url, store=store, config=changed, identity={}) as run:
         latest = run.latest()
         assert latest is not None
         assert latest.step == 1

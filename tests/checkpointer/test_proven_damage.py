@@ -34,7 +34,7 @@ from ckptstore.cas.writer import WriterOptions
 from ckptstore.checkpointer import CheckpointInfo, Run, open_run
 from ckptstore.cli import main
 from ckptstore.errors import IntegrityError, UnreadableError
-from ckptstore.manifest import transactions as tx
+from ckptstore.manifest import repairing as tx
 from ckptstore.manifest.models import BlobRow
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize import read_index

@@ -1,4 +1,4 @@
-"""The Core lookups (manifest/lookups.py) against the ORM models they stand in for.
+"""The Core lookups (manifest/_sql/) against the ORM models they stand in for.
 
 Readers get runs and checkpoints without the ORM, from light table clauses. These tests hold
 those clauses to the models (every column, the same conversions) and the records they give to
@@ -16,9 +16,9 @@ from sqlalchemy import BigInteger, Float, Integer, String, Text, event, select
 from sqlalchemy.types import NullType
 
 from ckptstore import RetentionPolicy, open_run
-from ckptstore.manifest import Database, lookups, models, reads, reports
-from ckptstore.manifest import queries as q
-from ckptstore.manifest import transactions as tx
+from ckptstore.manifest import Database, committing, models, reading, repairing, reporting
+from ckptstore.manifest._orm import runs
+from ckptstore.manifest._sql import lookups, tables
 from ckptstore.manifest.models import (
     Base,
     BlobRow,
@@ -40,11 +40,11 @@ PLAIN = (Integer, BigInteger, String, Text, Float)
 @pytest.mark.parametrize(
     ("light", "model"),
     [
-        (lookups.runs, RunRow),
-        (lookups.checkpoints, CheckpointRow),
-        (lookups.components, ComponentRow),
-        (lookups.blobs, BlobRow),
-        (lookups.checkpoint_blobs, CheckpointBlobRow),
+        (tables.runs, RunRow),
+        (tables.checkpoints, CheckpointRow),
+        (tables.components, ComponentRow),
+        (tables.blobs, BlobRow),
+        (tables.checkpoint_blobs, CheckpointBlobRow),
     ],
     ids=["runs", "checkpoints", "components", "blobs", "checkpoint_blobs"],
 )
@@ -121,49 +121,55 @@ def test_lookups_give_the_records_the_orm_rows_give(db_url: str, store: LocalSto
     assert epoch is not None
     db = Database(db_url)
     try:
-        failed = tx.begin_checkpoint(db, run_id, 5, epoch, "manual")
-        tx.mark_failed(db, failed, "out of disk")
-        corrupt = reads.committed_at(db, (run_id, "r"), 4).id
-        tx.mark_corrupt(db, corrupt, "bad blob", [], lambda _digest: None)
+        failed = committing.begin_checkpoint(db, run_id, 5, epoch, "manual")
+        committing.mark_failed(db, failed, "out of disk")
+        corrupt = reading.committed_at(db, (run_id, "r"), 4).id
+        repairing.mark_corrupt(db, corrupt, "bad blob", [], lambda _digest: None)
         with db.read() as session:
-            row = q.find_run(session, "r")
+            row = runs.load_run_row(session, "r")
             assert row is not None
             run_record = from_orm(RunInfo, row)
-        assert reads.find_run(db, "r") == run_record
+        assert reading.find_run(db, "r") == run_record
         assert run_record.config == {"lr": 0.1, "nested": {"a": [1, 2]}}
-        assert reads.find_run(db, "nobody") is None
+        assert reading.find_run(db, "nobody") is None
         expected = orm_checkpoints(db, row)
         assert {c.status for c in expected} == {"committed", "deleted", "failed", "corrupt"}
         assert all(len(c.components) == 3 for c in expected if c.status != "failed")
-        assert reads.checkpoints(db, run_record) == expected
+        assert reading.checkpoints(db, run_record) == expected
         committed = [c for c in expected if c.status == Status.COMMITTED]
-        assert reads.checkpoints(db, run_record, [Status.COMMITTED]) == committed
-        assert reads.checkpoints(db, run_record, []) == []  # no status asked for: none
-        losses = reports.metric_points(db, run_id, "loss")
+        assert reading.checkpoints(db, run_record, [Status.COMMITTED]) == committed
+        assert reading.checkpoints(db, run_record, []) == []  # no status asked for: none
+        losses = reporting.metric_points(db, run_id, "loss")
         assert [(p.step, p.status) for p in losses] == [
             (c.step, c.status) for c in expected if c.status in ("committed", "deleted")
         ]
-        assert reports.metric_points(db, run_id, "loss", statuses=()) == []
-        assert reads.latest(db, run_record) == committed[-1]
-        assert reads.newest_committed(db, run_record, before_step=3) == committed[-2]
-        assert reads.committed_at(db, run_record, committed[0].step) == committed[0]
+        assert reporting.metric_points(db, run_id, "loss", statuses=()) == []
+        assert reading.latest(db, run_record) == committed[-1]
+        assert reading.newest_committed(db, run_record, before_step=3) == committed[-2]
+        assert reading.committed_at(db, run_record, committed[0].step) == committed[0]
         for record in expected:
-            assert reads.checkpoint(db, record.id) == record
-        assert reads.targets(db, run="r", step=None) == committed
-        assert reads.targets(db, run="r", step=4, status="corrupt") == [
+            assert reading.checkpoint(db, record.id) == record
+        assert reading.targets(db, run="r", step=None) == committed
+        assert reading.targets(db, run="r", step=4, status="corrupt") == [
             c for c in expected if c.status == Status.CORRUPT
         ]
         with db.connect() as conn:  # ids past the first batch are asked for too
-            ids = [*range(10**9, 10**9 + 2 * lookups.BATCH), committed[0].id]
-            assert lookups.components_of(conn, ids) == {
+            ids = [*range(10**9, 10**9 + 2 * tables.BATCH), committed[0].id]
+            assert lookups.fetch_components(conn, ids) == {
                 committed[0].id: list(committed[0].components)
             }
         with db.read() as session:  # the writers' sessions get the same records and rows
-            assert lookups.with_components(session, lookups.of_run(run_id), "r") == expected
-            assert q.committed_at_step(session, run_id, 1).id == committed[0].id
-            parent = q.find_run(session, "base")
+            assert (
+                lookups.fetch_with_components(session, lookups.select_checkpoints_of(run_id), "r")
+                == expected
+            )
+            assert lookups.fetch_committed_at_step(session, run_id, 1).id == committed[0].id
+            parent = runs.load_run_row(session, "base")
             assert parent is not None
-            assert row.parent_checkpoint_id == q.committed_at_step(session, parent.id, 1).id
+            assert (
+                row.parent_checkpoint_id
+                == lookups.fetch_committed_at_step(session, parent.id, 1).id
+            )
     finally:
         db.close()
 
@@ -187,7 +193,7 @@ def test_a_checkpoint_committed_between_a_lookups_statements_does_not_mix_in(
 
         event.listen(reader.engine, "after_cursor_execute", commit_another)
         try:
-            found = reads.newest_committed(reader, run_key)
+            found = reading.newest_committed(reader, run_key)
         finally:
             event.remove(reader.engine, "after_cursor_execute", commit_another)
             reader.close()

@@ -22,7 +22,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from ckptstore.cli import main
-from ckptstore.manifest.queries import GC_LOCK_TABLE, hold_gc_lock_exclusive
+from ckptstore.manifest._orm.runs import GC_LOCK_TABLE, hold_gc_lock_exclusive
 from ckptstore.manifest.readonly import READER_ROLE
 from ckptstore.manifest.readonly.pg_calls import UsedObject, object_ids, refusal
 

@@ -45,7 +45,7 @@ from ckptstore.checkpointer import commit as commit_module
 from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.errors import ObjectStoreError
 from ckptstore.manifest import Database
-from ckptstore.manifest import queries as q
+from ckptstore.manifest._orm import blobs as q
 from ckptstore.objectstore import LocalStore, ObjectStore, RetryPolicy, S3Store
 from ckptstore.objectstore import _local as local_module
 from ckptstore.objectstore import _s3 as s3_module

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from web_sample import Sample, Served, build
 
-from ckptstore.manifest.webqueries import open_readonly
+from ckptstore.manifest.serving import open_readonly
 from ckptstore.web.data import Site
 from ckptstore.web.routes import App
 from ckptstore.web.server import Server

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptstore.checkpointer.retention import Candidate, RetentionPolicy, to_delete
+from ckptstore.manifest.serving import SavePoint
 from ckptstore.manifest.statuses import Status, Trigger
-from ckptstore.manifest.webqueries import SavePoint
 from ckptstore.web.fate import Policy, fates, policy_of
 
 NO_RULE = "no rule of the recorded policy keeps it"

@@ -17,10 +17,12 @@ from sqlalchemy.exc import DBAPIError
 
 from ckptstore.checkpointer import open_run
 from ckptstore.errors import ConfigError, DatabaseError
-from ckptstore.manifest import queries, reads, reports
+from ckptstore.manifest import reading as reads
+from ckptstore.manifest import reporting as reports
+from ckptstore.manifest._orm import checkpoints as queries
 from ckptstore.manifest.readonly import READER_ROLE
+from ckptstore.manifest.serving import open_readonly
 from ckptstore.manifest.statuses import Status
-from ckptstore.manifest.webqueries import open_readonly
 from ckptstore.web import data
 from ckptstore.web.data import Site
 from ckptstore.web.routes import App, Request
@@ -74,7 +76,7 @@ def test_sqlite_reads_work_and_every_write_is_refused(tmp_path: Path) -> None:
         assert not attached.exists()
         # The ORM write path of the library itself fails too.
         with pytest.raises((DBAPIError, DatabaseError)):
-            db.write(lambda s: queries.mark(s, ident, Status.FAILED, "intruder"))
+            db.write(lambda s: queries.set_status(s, ident, Status.FAILED, "intruder"))
         after = reads.checkpoint(db, ident)
         assert after is not None
         assert after.status == Status.COMMITTED

@@ -28,7 +28,7 @@ from web_sample import (
 from ckptstore.checkpointer import open_run
 from ckptstore.cli.main import main
 from ckptstore.errors import ConfigError
-from ckptstore.manifest.webqueries import open_readonly
+from ckptstore.manifest.serving import open_readonly
 from ckptstore.web.data import Site
 from ckptstore.web.routes import App
 from ckptstore.web.server import Server, check_bind
@@ -369,7 +369,7 @@ def _no_redirects() -> Any:
 def test_gc_preview_is_what_gc_dry_run_reports(sample: Sample, tmp_path: Path) -> None:
     from ckptstore.maintenance import collect_garbage
     from ckptstore.manifest import Database
-    from ckptstore.manifest.webqueries import gc_preview
+    from ckptstore.manifest.serving import gc_preview
     from ckptstore.objectstore import LocalStore
 
     shutil.copy(sample.db, tmp_path / "m.db")

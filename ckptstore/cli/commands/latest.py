@@ -10,7 +10,7 @@ from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import emit
 from ckptstore.cli.protocol import Subparsers
-from ckptstore.manifest import reads
+from ckptstore.manifest import reading as reads
 
 
 def register(

@@ -15,8 +15,9 @@ from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import emit, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
-from ckptstore.manifest import reads, reports
-from ckptstore.manifest.reports import MetricPoint
+from ckptstore.manifest import reading as reads
+from ckptstore.manifest import reporting as reports
+from ckptstore.manifest.reporting import MetricPoint
 from ckptstore.manifest.statuses import Status
 from ckptstore.names import printable
 

@@ -9,7 +9,7 @@ from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import RATIOS_HELP, Column, emit, human_bytes, ratio
 from ckptstore.cli.protocol import Subparsers
-from ckptstore.manifest import reports
+from ckptstore.manifest import reporting as reports
 
 COLUMNS = (
     Column("run", "run"),

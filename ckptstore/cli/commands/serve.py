@@ -15,7 +15,7 @@ from ckptstore.cli.output import emit
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import ConfigError
 from ckptstore.manifest.db import redact
-from ckptstore.manifest.webqueries import open_readonly
+from ckptstore.manifest.serving import open_readonly
 from ckptstore.settings import default_store
 from ckptstore.web.data import Site
 from ckptstore.web.routes import App

@@ -16,7 +16,7 @@ from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK, EXIT_PROBLEMS
 from ckptstore.cli.output import emit, human_bytes, jsonable, progress, quoted
 from ckptstore.cli.protocol import Subparsers
-from ckptstore.manifest import reads
+from ckptstore.manifest import reading as reads
 from ckptstore.names import printable
 
 if TYPE_CHECKING:

@@ -1,11 +1,11 @@
 """Reports over the manifest for people: a ``Database`` and plain arguments in, dataclasses out.
 
 What ``ckptstore runs``, ``plot`` and ``du`` show, beyond the single-row lookups of
-:mod:`ckptstore.manifest.reads`. Each report is one dataclass declared next to the statement
+:mod:`ckptstore.manifest.reading`. Each report is one dataclass declared next to the statement
 that fills it, so a new field is one line here and appears in the CLI's ``--json`` at once.
 
 The statements run on SQLAlchemy Core over the light tables of
-:mod:`ckptstore.manifest.lookups` (:meth:`Database.connect
+:mod:`ckptstore.manifest._sql.tables` (:meth:`Database.connect
 <ckptstore.manifest.db.Database.connect>`), so ``ckptstore runs`` and ``du`` never import the
 ORM.
 """
@@ -19,9 +19,9 @@ from typing import Any
 from sqlalchemy import ColumnElement, Select, Subquery, column, func, select, table
 from sqlalchemy.engine import Connection
 
-from ckptstore.manifest import lookups
+from ckptstore.manifest._sql import lookups
+from ckptstore.manifest._sql.tables import blobs, checkpoint_blobs, checkpoints, runs
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.lookups import blobs, checkpoint_blobs, checkpoints, runs
 from ckptstore.manifest.statuses import Status
 
 
@@ -107,7 +107,7 @@ def metric_points(
 ) -> list[MetricPoint]:
     """The numeric values of ``metric`` in the run's checkpoints in ``statuses``, by step
     (a checkpoint without the metric, or with a value that is not a number, has no point)."""
-    query = lookups.of_run(run_id, statuses).with_only_columns(
+    query = lookups.select_checkpoints_of(run_id, statuses).with_only_columns(
         checkpoints.c.step, checkpoints.c.status, checkpoints.c.metrics
     )
     with db.connect() as conn:

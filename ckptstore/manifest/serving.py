@@ -1,5 +1,5 @@
 """What ``ckptstore serve`` reads: a manifest database that cannot write, and the statements its
-pages need beyond :mod:`ckptstore.manifest.reads` and :mod:`ckptstore.manifest.reports`.
+pages need beyond :mod:`ckptstore.manifest.reading` and :mod:`ckptstore.manifest.reporting`.
 
 :func:`open_readonly` opens the database the way ``ckptstore sql`` runs a query
 (:mod:`ckptstore.manifest.readonly`), so a wrong handler cannot write either:
@@ -11,7 +11,10 @@ pages need beyond :mod:`ckptstore.manifest.reads` and :mod:`ckptstore.manifest.r
   transactions and a statement timeout.
 
 The statements run on SQLAlchemy Core over the light tables of
-:mod:`ckptstore.manifest.lookups` (no ORM), each filling the dataclass declared next to it.
+:mod:`ckptstore.manifest._sql.tables` (no ORM), each filling the dataclass declared next to it.
+Unlike the other operation modules, each takes the connection a page opened
+(:meth:`Database.connect <ckptstore.manifest.db.Database.connect>`), so that one page reads one
+snapshot of the manifest.
 """
 
 from __future__ import annotations
@@ -28,9 +31,16 @@ from sqlalchemy import Text, and_, event, exists, func, select, type_coerce
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import ColumnElement
 
-from ckptstore.manifest import lookups
+from ckptstore.manifest._sql import lookups
+from ckptstore.manifest._sql.tables import (
+    BATCH,
+    blobs,
+    checkpoint_blobs,
+    checkpoints,
+    components,
+    runs,
+)
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.lookups import blobs, checkpoint_blobs, checkpoints, components, runs
 from ckptstore.manifest.readonly.pg_role import READER_ROLE, become_reader
 from ckptstore.manifest.records import CheckpointInfo, field_names
 from ckptstore.manifest.statuses import BlobState, Status
@@ -201,7 +211,9 @@ def history(
         type_coerce(checkpoints.c.metrics, Text) if name == "metrics" else checkpoints.c[name]
         for name in SavePoint._fields
     ]
-    rows = conn.execute(lookups.of_run(run_id, statuses).with_only_columns(*columns)).all()
+    rows = conn.execute(
+        lookups.select_checkpoints_of(run_id, statuses).with_only_columns(*columns)
+    ).all()
     at = SavePoint._fields.index("metrics")
     parsed = _json_values([row[at] for row in rows])
     return [
@@ -240,13 +252,13 @@ def checkpoint_page(
     """One page of the run's checkpoints (in ``statuses``, or all), newest first, with their
     components: the records ``ckptstore ls --json`` prints."""
     query = (
-        lookups.of_run(run_id, statuses)
+        lookups.select_checkpoints_of(run_id, statuses)
         .order_by(None)
         .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc())
         .limit(limit)
         .offset(offset)
     )
-    return lookups.with_components(conn, query, run)
+    return lookups.fetch_with_components(conn, query, run)
 
 
 # -- blobs ------------------------------------------------------------------------------------
@@ -265,12 +277,12 @@ class BlobFact:
 
 
 def blob_facts(conn: Connection, digests: Sequence[str]) -> dict[str, BlobFact]:
-    """The rows of ``digests`` that exist (one statement per :data:`lookups.BATCH`)."""
+    """The rows of ``digests`` that exist (one statement per :data:`BATCH`)."""
     found: dict[str, BlobFact] = {}
     unique = sorted(set(digests))
     columns = [blobs.c[name] for name in field_names(BlobFact)]
-    for i in range(0, len(unique), lookups.BATCH):
-        query = select(*columns).where(blobs.c.digest.in_(unique[i : i + lookups.BATCH]))
+    for i in range(0, len(unique), BATCH):
+        query = select(*columns).where(blobs.c.digest.in_(unique[i : i + BATCH]))
         found.update((row[0], BlobFact(*row)) for row in conn.execute(query))
     return found
 

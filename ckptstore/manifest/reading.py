@@ -1,9 +1,9 @@
-"""Read-only lookups: plain arguments in, public records out (no session leaves the manifest).
+"""Reading the manifest: plain arguments in, public records out (no session leaves the manifest).
 
 Used by the checkpointer (latest, load, fallback), maintenance (verify) and the CLI; none of them
 writes SQL of its own. Runs and checkpoints are looked up in SQLAlchemy Core
-(:mod:`ckptstore.manifest.lookups`), so the CLI's read commands never import the ORM; the blob
-lookups below, which only savers, loaders and verify make, import it when first called.
+(:mod:`ckptstore.manifest._sql.lookups`), so the CLI's read commands never import the ORM; the
+blob lookups below, which only savers, loaders and verify make, import it when first called.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptstore.errors import CheckpointNotFoundError
-from ckptstore.manifest import lookups
+from ckptstore.manifest._sql import lookups
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo, RunInfo
 from ckptstore.manifest.statuses import Status
@@ -20,7 +20,7 @@ from ckptstore.manifest.statuses import Status
 def find_run(db: Database, name: str) -> RunInfo | None:
     """The run named ``name``, or None."""
     with db.connect() as conn:
-        return lookups.find_run(conn, name)
+        return lookups.fetch_run(conn, name)
 
 
 def require_run(db: Database, name: str) -> RunInfo:
@@ -35,7 +35,7 @@ def latest(db: Database, run: RunInfo | tuple[int, str]) -> CheckpointInfo | Non
     """The newest committed checkpoint with its components (one indexed statement), or None."""
     run_id, name = _key(run)
     with db.connect() as conn:
-        return lookups.latest(conn, run_id, name)
+        return lookups.fetch_latest(conn, run_id, name)
 
 
 def newest_committed(
@@ -43,9 +43,9 @@ def newest_committed(
 ) -> CheckpointInfo | None:
     """The newest committed checkpoint (below ``before_step`` if given), with components."""
     run_id, name = _key(run)
-    query = lookups.newest_committed(run_id, before_step=before_step)
+    query = lookups.select_newest_committed(run_id, before_step=before_step)
     with db.connect() as conn:
-        found = lookups.with_components(conn, query, name)
+        found = lookups.fetch_with_components(conn, query, name)
     return found[0] if found else None
 
 
@@ -53,8 +53,8 @@ def committed_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> Che
     """The committed checkpoint at ``step`` with its components; an error that says why not."""
     run_id, name = _key(run)
     with db.connect() as conn:
-        row = lookups.committed_at_step(conn, run_id, step)
-        return lookups.checkpoint_of_row(conn, row, name)
+        row = lookups.fetch_committed_at_step(conn, run_id, step)
+        return lookups.fetch_checkpoint_of_row(conn, row, name)
 
 
 def checkpoint_or_latest(db: Database, name: str, step: int | None) -> CheckpointInfo:
@@ -74,13 +74,14 @@ def checkpoints(
     """Every checkpoint of the run (optionally only some statuses), oldest first."""
     run_id, name = _key(run)
     with db.connect() as conn:
-        return lookups.with_components(conn, lookups.of_run(run_id, statuses), name)
+        query = lookups.select_checkpoints_of(run_id, statuses)
+        return lookups.fetch_with_components(conn, query, name)
 
 
 def checkpoint(db: Database, checkpoint_id: int) -> CheckpointInfo | None:
     """One checkpoint by id, with its run's name and components, or None."""
     with db.connect() as conn:
-        found = lookups.with_components(conn, lookups.by_id(checkpoint_id))
+        found = lookups.fetch_with_components(conn, lookups.select_checkpoint_by_id(checkpoint_id))
     return found[0] if found else None
 
 
@@ -90,49 +91,50 @@ def targets(
     """Checkpoints in ``status`` (of one run, at one step), by run name and step: what verify
     walks."""
     with db.connect() as conn:
-        return lookups.with_components(conn, lookups.in_status(status, run=run, step=step))
+        query = lookups.select_in_status(status, run=run, step=step)
+        return lookups.fetch_with_components(conn, query)
 
 
 def blob_sizes(db: Database, checkpoint_id: int) -> dict[str, int | None]:
     """Every blob a checkpoint references and the raw length its row records (None: no row)."""
-    from ckptstore.manifest import queries as q
+    from ckptstore.manifest._orm.checkpoints import checkpoint_blob_sizes
 
     with db.read() as session:
-        return q.checkpoint_blob_sizes(session, checkpoint_id)
+        return checkpoint_blob_sizes(session, checkpoint_id)
 
 
 def index_lengths(db: Database, digests: Sequence[str]) -> dict[str, int]:
     """The raw length the manifest records for each blob (bounds what a read may allocate)."""
-    from ckptstore.manifest import queries as q
+    from ckptstore.manifest._orm.blobs import blob_rows
 
     with db.read() as session:
-        rows = q.blob_rows(session, list(digests), lock=False)
+        rows = blob_rows(session, list(digests), lock=False)
         return {digest: row.logical_bytes for digest, row in rows.items()}
 
 
 def some_digests(db: Database, checkpoint_id: int, *, limit: int) -> list[str]:
     """Up to ``limit`` digests the checkpoint references."""
-    from ckptstore.manifest import queries as q
+    from ckptstore.manifest._orm.checkpoints import checkpoint_digests
 
     with db.read() as session:
-        return q.checkpoint_digests(session, checkpoint_id, limit=limit)
+        return checkpoint_digests(session, checkpoint_id, limit=limit)
 
 
 def live_digests_to_reuse(db: Database, run_id: int) -> frozenset[str]:
     """The live blobs the run's next save most likely shares (its newest committed checkpoint's,
     or its fork parent's): the writer's dedup set, one query per save."""
-    from ckptstore.manifest import queries as q
+    from ckptstore.manifest._orm.blobs import reusable_live_digests
 
     with db.read() as session:
-        return frozenset(q.live_digests_to_reuse(session, run_id))
+        return frozenset(reusable_live_digests(session, run_id))
 
 
 def corrupt_referencing(db: Database, digests: Sequence[str]) -> list[int]:
     """Ids of corrupt checkpoints that reference any of ``digests``."""
-    from ckptstore.manifest import queries as q
+    from ckptstore.manifest._orm.checkpoints import corrupt_ids_referencing
 
     with db.read() as session:
-        return q.corrupt_referencing(session, digests)
+        return corrupt_ids_referencing(session, digests)
 
 
 def _key(run: RunInfo | tuple[int, str]) -> tuple[int, str]:
