@@ -146,6 +146,28 @@ def parse_target(text: str, *, what: str = "target") -> tuple[str, int | None]:
     return name, int(step)
 
 
+_STEP_ID = re.compile(r"([0-9]+)|(?:.*/)?step-([0-9]+)/?")
+
+
+def parse_step_id(value: object, *, what: str = "checkpoint_id") -> int:
+    """The step a checkpoint id names: an int, ASCII digits (``"30"``), or a path whose last
+    segment is ``step-N`` as torchtitan names its checkpoints (``"checkpoint/step-30"``,
+    ``"s3://bucket/run/step-30/"``); else a ConfigError naming ``what`` and the forms."""
+    digits: str | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        digits = str(value) if value >= 0 else None
+    elif isinstance(value, str) and (found := _STEP_ID.fullmatch(value)):
+        digits = found.group(1) or found.group(2)
+    if digits is None or len(digits) > len(str(MAX_STEP)) or int(digits) > MAX_STEP:
+        shown = printable(repr(value))
+        shown = shown if len(shown) <= 80 else f"{shown[:60]}...({len(shown)} characters)"
+        raise ConfigError(
+            f"{what}={shown}: use a step (a whole number from 0 to {MAX_STEP}) or a path "
+            "whose last part is step-N, e.g. 'checkpoint/step-30'"
+        )
+    return int(digits)
+
+
 def printable(text: object) -> str:
     """``text`` safe to print on a terminal: control and invisible characters (ESC, NUL,
     newlines, bidi overrides) become ``\\x1b`` / ``\\u202e`` escapes; backslashes are doubled

@@ -8,8 +8,8 @@
   resealed, and damaged payloads; a decode that succeeds must return the original bytes.
 - ``index``: ``ckptstore.serialize.index.decode_index`` on the index blobs a real save of
   several states writes (tensors, arrays, bytes, JSON values, nested containers).
-- ``dcp-metadata``: ``ckptstore.integrations.dcp_metadata.decode_metadata`` (and
-  ``dcp_validate.expected_items`` on what it returns) on DCP metadata documents.
+- ``dcp-metadata``: ``ckptstore.integrations.dcp._metadata.decode_metadata`` (and
+  ``dcp._validate.expected_items`` on what it returns) on DCP metadata documents.
 
 Each engine (built eagerly: seeds first) yields (reproducer, call): the call parses one
 input; the reproducer is what a finding's file records to repeat it.
@@ -272,7 +272,7 @@ def metadata_seeds() -> list[str]:
         TensorStorageMetadata,
     )
 
-    from ckptstore.integrations.dcp_metadata import Location, encode_metadata
+    from ckptstore.integrations.dcp._metadata import Location, encode_metadata
 
     def tensor(size: list[int], chunks: list[tuple[list[int], list[int]]]) -> Any:
         return TensorStorageMetadata(
@@ -300,10 +300,10 @@ def metadata_seeds() -> list[str]:
 
 def metadata_mutants(seed: int) -> Mutants:
     """Inputs of ``decode_metadata`` (then ``expected_items``, where it exists)."""
-    from ckptstore.integrations import dcp_metadata
+    from ckptstore.integrations.dcp import _metadata as dcp_metadata
 
     try:
-        from ckptstore.integrations.dcp_validate import expected_items
+        from ckptstore.integrations.dcp._validate import expected_items
     except ImportError:
         expected_items = None
 

@@ -3,6 +3,9 @@
 - Layers depend downward only, and no module imports itself back through others (no loop).
 - SQL lives in ``manifest/``: no other module imports SQLAlchemy or a database driver.
 - Every public function, method and class says in one line what it is for.
+- Integrations (and the trainer) stand on the public floor: from ckptstore they import only
+  ``ckptstore``, ``ckptstore.floor`` and ``ckptstore.errors`` (plus the integrations' own
+  modules), never the layers below.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ LAYERS = {
     "cas": 2,
     "serialize": 3,
     "checkpointer": 4,
-    "maintenance": 5,
-    "integrations": 5,
-    "testing": 5,
-    "cli": 6,
-    "web": 6,
-    "demo": 7,
-    "__init__": 7,
-    "__main__": 7,
+    "floor": 5,
+    "maintenance": 6,
+    "integrations": 6,
+    "testing": 6,
+    "cli": 7,
+    "web": 7,
+    "demo": 8,
+    "__init__": 8,
+    "__main__": 8,
 }
 #: What may not see what even within the order (DESIGN §2: "objectstore knows nothing of SQL or
 #: torch; manifest knows nothing of torch; cas knows nothing of SQL").
@@ -160,3 +164,157 @@ def test_every_public_function_says_what_it_is_for(module: str) -> None:
         or ast.get_docstring(node) is None
     ]
     assert missing == [], f"{module}: give these a one-line docstring: {missing}"
+
+
+#: The manifest's levels (see ckptstore/manifest/_sql/__init__.py): Core statements (1), ORM
+#: statements in a caller's session (2), named operations on a Database (3, every other module),
+#: over the shared vocabulary of rows, records and statuses (0).
+MANIFEST_LEVELS = {"models": 0, "records": 0, "statuses": 0, "_sql": 1, "_orm": 2}
+
+
+def manifest_level(module: str) -> int | None:
+    """The level of a manifest module (None outside the manifest)."""
+    parts = module.split(".")
+    if parts[:2] != ["ckptstore", "manifest"]:
+        return None
+    return MANIFEST_LEVELS.get(parts[2], 3) if len(parts) > 2 else 3
+
+
+def level_may_import(mine: int | None, theirs: int | None) -> bool:
+    """Outside the manifest (None): levels 0 and 3 only. Inside: the same level or a lower one;
+    level 3 anything of the manifest."""
+    if theirs is None:
+        return True
+    if mine is None:
+        return theirs in (0, 3)
+    return mine == 3 or theirs <= mine
+
+
+def test_manifest_levels_live_in_their_paths() -> None:
+    """Only the manifest imports its private statement packages; a level imports only lower
+    ones; and no public function name is defined at two levels (each name says its level)."""
+    known = {name for name, _ in modules()}
+    wrong: list[str] = []
+    names: dict[str, set[int]] = {}
+    for module, path in modules():
+        mine = manifest_level(module)
+        wrong += [
+            f"{module} -> {target}"
+            for target in sorted(imports(path, module) & known)
+            if not level_may_import(mine, manifest_level(target))
+        ]
+        if mine is not None:
+            for name, node in public_definitions(path):
+                if isinstance(node, ast.FunctionDef) and "." not in name:
+                    names.setdefault(name, set()).add(mine)
+    assert wrong == [], "manifest levels import downward only; outside, import operation modules"
+    assert {n: levels for n, levels in names.items() if len(levels) > 1} == {}
+
+
+# -- the public floor --------------------------------------------------------------------------
+
+REPO = PACKAGE.parent
+#: What an integration, or the trainer, may import from ckptstore (``ckptstore/floor.py``).
+FLOOR = frozenset({"ckptstore", "ckptstore.floor", "ckptstore.errors"})
+#: Internals trainer/ still imports (beyond FLOOR); each is to move to the floor or the top
+#: level. The rule holds the trainer to these: a new internal import fails it.
+TRAINER_ALSO = frozenset(
+    {
+        "ckptstore.checkpointer",
+        "ckptstore.checkpointer.open",
+        "ckptstore.durations",
+        "ckptstore.manifest",
+        "ckptstore.settings",
+    }
+)
+#: Integration modules that may import more than the floor, and what. torchtitan's
+#: ``last_save_in_hf`` writes the Hugging Face files ``ckptstore export --hf`` writes, with the
+#: export's own code (one layer, not a copy; imported only when asked for).
+INTEGRATIONS_ALSO = {
+    "ckptstore.integrations.torchtitan._hf": frozenset(
+        {"ckptstore.maintenance.export_sources", "ckptstore.maintenance.hfexport"}
+    ),
+}
+
+
+def imported_modules(path: Path, module: str) -> set[str]:
+    """The ckptstore modules ``path`` imports: ``from ckptstore import manifest`` counts as
+    ``ckptstore.manifest``, ``from ckptstore.floor import Run`` as ``ckptstore.floor``."""
+    known = {name for name, _ in modules()} | {"ckptstore"}
+    packages = {name.rsplit(".__init__", 1)[0] for name in known}
+    found: set[str] = set()
+    for name in imports(path, module):
+        if not name.startswith("ckptstore"):
+            continue
+        # An imported name is a module only if one exists by that name; else its parent is.
+        while name not in packages and name not in known and "." in name:
+            name = name.rsplit(".", 1)[0]
+        found.add(name)
+    return {n for n in found if n == "ckptstore" or n.startswith("ckptstore.")}
+
+
+def integration_may_import(module: str, target: str) -> bool:
+    """Whether integration ``module`` may import ``target``: the floor; its own package, the
+    shared ``_common`` one and the integrations' public modules; ``integrations/``'s top-level
+    modules (the format table) may reach any integration module."""
+    if target in FLOOR or target in INTEGRATIONS_ALSO.get(module, ()):
+        return True
+    if not target.startswith("ckptstore.integrations"):
+        return False
+    mine, theirs = module.split(".")[2:], target.split(".")[2:]
+    if len(mine) <= 1 or not theirs or theirs[0] in (mine[0], "_common"):
+        return True
+    return not any(part.startswith("_") for part in theirs)
+
+
+def floor_breaches(path: Path, module: str) -> list[str]:
+    """The imports of integration ``module`` that the floor rule forbids."""
+    return [
+        f"{module} -> {target}"
+        for target in sorted(imported_modules(path, module))
+        if not integration_may_import(module, target)
+    ]
+
+
+def test_integrations_import_only_the_public_floor() -> None:
+    breaches = [
+        breach
+        for module, path in modules()
+        if layer_of(module) == "integrations"
+        for breach in floor_breaches(path, module)
+    ]
+    assert breaches == [], "integrations import ckptstore.floor, not the layers below it"
+
+
+def test_the_trainer_imports_only_the_floor_and_its_listed_internals() -> None:
+    breaches = [
+        f"{path.name} -> {target}"
+        for path in sorted((REPO / "trainer").glob("*.py"))
+        for target in sorted(imported_modules(path, f"trainer.{path.stem}"))
+        if target not in FLOOR | TRAINER_ALSO
+    ]
+    assert breaches == [], "trainer/ imports ckptstore.floor (or the top level), not internals"
+
+
+@pytest.mark.parametrize(
+    ("source", "allowed"),
+    [
+        ("from ckptstore.floor import Run", True),
+        ("from ckptstore import errors", True),
+        ("from ckptstore.integrations.dcp._metadata import rank_component", True),
+        ("from ckptstore.integrations._common.tiling import check_tiling", True),
+        ("from ckptstore.manifest import reading", False),
+        ("from ckptstore import manifest", False),
+        ("import ckptstore.serialize.reader", False),
+        ("from ckptstore.checkpointer.run import Run", False),
+        ("from ckptstore.integrations.megatron._commit import describe", False),
+    ],
+)
+def test_the_floor_rule_tells_allowed_imports_from_breaches(
+    tmp_path: Path, source: str, allowed: bool
+) -> None:
+    """The rule itself, on a DCP module that imports one thing."""
+    path = tmp_path / "_example.py"
+    path.write_text(source + "\n")
+    breaches = floor_breaches(path, "ckptstore.integrations.dcp._example")
+    assert (breaches == []) is allowed, breaches

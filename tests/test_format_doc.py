@@ -19,8 +19,8 @@ import sqlalchemy as sa
 from ckptstore.cas import codec, codecs, fpcodec, header, pack
 from ckptstore.cas.codecs import Encoded
 from ckptstore.errors import IntegrityError
-from ckptstore.integrations import _megatron_layout as megatron
-from ckptstore.integrations import dcp_metadata as dcp
+from ckptstore.integrations._common import megatron_layout as megatron
+from ckptstore.integrations.dcp import _metadata as dcp
 from ckptstore.manifest.db import SCHEMA_HEAD, Database
 from ckptstore.manifest.statuses import BlobState, Status, Trigger
 from ckptstore.serialize import index, tree

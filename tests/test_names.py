@@ -15,6 +15,7 @@ from ckptstore.names import (
     check_kind,
     check_run_name,
     check_step,
+    parse_step_id,
     parse_target,
     printable,
 )
@@ -192,3 +193,54 @@ def test_component_kinds(kind: str) -> None:
 def test_bad_component_kinds_are_refused(kind: object) -> None:
     with pytest.raises(ConfigError, match="invalid component kind"):
         check_kind(kind)
+
+
+@pytest.mark.parametrize(
+    ("value", "step"),
+    [
+        (30, 30),
+        ("30", 30),
+        ("step-30", 30),
+        ("ckpt/step-30", 30),
+        ("/abs/dump/checkpoint/step-7/", 7),
+        ("s3://bucket/run/step-0", 0),
+        ("gs://b/x/step-007", 7),
+        (f"step-{MAX_STEP}", MAX_STEP),
+    ],
+)
+def test_step_ids_as_torchtitan_names_checkpoints(value: object, step: int) -> None:
+    assert parse_step_id(value) == step
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "ckpt/step-30/extra",
+        "ckpt/30",
+        "step-",
+        "step--1",
+        "step-1.5",
+        " step-3",
+        "step-3 ",
+        "ckpt/step-٣",
+        "step-" + "9" * 5000,
+        f"step-{MAX_STEP + 1}",
+        MAX_STEP + 1,
+        -1,
+        True,
+        3.0,
+        None,
+        "",
+    ],
+)
+def test_step_ids_that_name_no_step_are_refused_with_the_forms(value: object) -> None:
+    with pytest.raises(ConfigError, match="checkpoint_id=") as caught:
+        parse_step_id(value)
+    message = str(caught.value)
+    assert "step-N" in message
+    assert len(message) < 300
+
+
+def test_a_step_id_error_names_the_option_it_came_from() -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint.load_step='ckpt/x'"):
+        parse_step_id("ckpt/x", what="checkpoint.load_step")

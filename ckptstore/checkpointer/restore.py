@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ckptstore.cas.blobs import MissingBlobError, quarantine_blob
 from ckptstore.cas.digest import blob_key
@@ -28,8 +28,8 @@ from ckptstore.errors import (
     StoreNotFoundError,
     UnreadableError,
 )
-from ckptstore.manifest import reads
-from ckptstore.manifest import transactions as tx
+from ckptstore.manifest import reading as reads
+from ckptstore.manifest import repairing as tx
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo, ComponentInfo
 from ckptstore.names import check_step
@@ -76,12 +76,14 @@ def load(
     components: Iterable[str] | None = None,
     paths: Mapping[str, Iterable[str]] | None = None,
     fallback: bool = True,
+    into: Mapping[str, Any] | None = None,
 ) -> LoadedCheckpoint:
-    """``step`` (exactly), or the newest committed checkpoint that verifies (see module)."""
+    """``step`` (exactly), or the newest committed checkpoint that verifies (see module);
+    ``into``: component name -> a state whose tensors are loaded in place."""
     wanted = set(components) if components is not None else None
     if step is not None:
         info = reads.committed_at(reader.db, reader.key, check_step(step))
-        return LoadedCheckpoint(info, _load_state(reader, info, wanted, paths))
+        return LoadedCheckpoint(info, _load_state(reader, info, wanted, paths, into))
     skipped: list[tuple[int, str]] = []
     before: int | None = None
     while True:
@@ -92,13 +94,13 @@ def load(
                 f"run {reader.name!r} has no committed checkpoint to load{detail}"
             )
         try:
-            state = _load_state(reader, found, wanted, paths)
+            state = _load_state(reader, found, wanted, paths, into)
         except IntegrityError as exc:
             if not fallback:
                 raise
             if isinstance(exc, MissingBlobError):
                 check_store_holds(reader, found, exc)
-            mark_corrupt(reader, found, exc)
+            report_corrupt(reader, found, exc)
             skipped.append((found.step, str(exc)))
             before = found.step
             continue
@@ -110,10 +112,11 @@ def _load_state(
     info: CheckpointInfo,
     wanted: set[str] | None,
     paths: Mapping[str, Iterable[str]] | None,
+    into: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """:func:`load_state`, with what cannot be read here said to change nothing."""
     try:
-        return load_state(reader, info, wanted, paths)
+        return load_state(reader, info, wanted, paths, into)
     except UnreadableError as exc:
         unreadable = UnreadableError(
             f"run {reader.name!r} step {info.step} cannot be read by this process: {exc}. It "
@@ -129,11 +132,13 @@ def load_state(
     info: CheckpointInfo,
     wanted: set[str] | None,
     paths: Mapping[str, Iterable[str]] | None,
+    into: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The components of ``info`` (all, ``wanted``, or ``paths`` of some), verified."""
+    """The components of ``info`` (all, ``wanted``, or ``paths`` of some), verified; the
+    tensors of ``into[component]`` are loaded in place (see ``ComponentReader.load``)."""
     comps: Sequence[ComponentInfo] = info.components
     names = {c.name for c in comps}
-    for name in [*(wanted or ()), *(paths or {})]:
+    for name in [*(wanted or ()), *(paths or {}), *(into or {})]:
         if name not in names:
             raise ComponentNotFoundError(
                 f"run {reader.name!r} step {info.step} has no component {name!r}; "
@@ -150,10 +155,11 @@ def load_state(
         component = ComponentReader(
             reader.store, comp.index_digest, context=context, index_len=size
         )
+        target = (into or {}).get(comp.name)
         if paths is not None and comp.name in paths:
-            state[comp.name] = component.load_paths(paths[comp.name])
+            state[comp.name] = component.load_paths(paths[comp.name], into=target)
         elif paths is None or wanted is not None:
-            state[comp.name] = component.load()
+            state[comp.name] = component.load(into=target)
     return state
 
 
@@ -183,7 +189,48 @@ def wrong_store(store: ObjectStore, finding: str) -> StoreNotFoundError:
     )
 
 
-def mark_corrupt(reader: Reader, info: CheckpointInfo, exc: IntegrityError) -> None:
+class RunView(Protocol):
+    """What :func:`mark_corrupt` needs of a run (a ``Run`` is one)."""
+
+    @property
+    def db(self) -> Database:
+        """The run's manifest."""
+
+    @property
+    def store(self) -> ObjectStore:
+        """The run's object store."""
+
+    @property
+    def id(self) -> int:
+        """The run's id in the manifest."""
+
+    @property
+    def name(self) -> str:
+        """The run's name."""
+
+    @property
+    def writable(self) -> bool:
+        """Whether this is the run's writer (it may mark checkpoints corrupt)."""
+
+
+def mark_corrupt(
+    run: RunView, info: CheckpointInfo, error: IntegrityError, *, check_store: bool = True
+) -> None:
+    """What a load does with a checkpoint of ``run`` that failed verification (public, through
+    :mod:`ckptstore.floor`): say so loudly; the run's writer marks it corrupt and quarantines
+    the damaged blob, a read-only run changes nothing and names the command that would.
+
+    With ``check_store``, a missing blob first proves the store is the right one: when none of
+    the checkpoint's other blobs is there either, ``StoreNotFoundError`` is raised and nothing
+    is marked. A caller that must keep other processes in step before raising checks later.
+    """
+    reader = Reader(run.db, run.store, run.id, run.name, run.writable)
+    if check_store and isinstance(error, MissingBlobError):
+        check_store_holds(reader, info, error)
+    report_corrupt(reader, info, error)
+
+
+def report_corrupt(reader: Reader, info: CheckpointInfo, exc: IntegrityError) -> None:
     """Say loudly that the checkpoint failed verification and that the previous committed one
     is used instead. A writer marks it corrupt and quarantines its damaged blob; a read-only
     reader changes nothing and names the command that would."""

@@ -13,13 +13,13 @@ from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
 from ckptstore.checkpointer import commit, restore
-from ckptstore.checkpointer.handle import SaveHandle, SaveQueue, close_on_exit
+from ckptstore.checkpointer.handle import OneInFlight, SaveHandle, close_on_exit
 from ckptstore.checkpointer.jsonvalues import plain_json
-from ckptstore.checkpointer.retention import RetentionPolicy
+from ckptstore.checkpointer.retention import RetentionPolicy, check_trigger
 from ckptstore.checkpointer.shards import ShardReceipt, check_kinds
 from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.errors import ConfigError, RunStateError
-from ckptstore.manifest import reads
+from ckptstore.manifest import reading as reads
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import Trigger
 from ckptstore.manifest.records import CheckpointInfo
@@ -59,7 +59,7 @@ class Run:
         #: The live blobs this run's current save will likely share (refreshed per save).
         self._live: frozenset[str] = frozenset()
         self._blobs = BlobWriter(store, writer_options, known=self._is_live_blob)
-        self._queue = SaveQueue(name)
+        self._queue: OneInFlight[SaveHandle] = OneInFlight(f"ckpt-save-{name}")
         self._closed = False
 
     def __repr__(self) -> str:
@@ -104,14 +104,13 @@ class Run:
         started = time.perf_counter()
         writer = self._writer()
         check_step(step)
-        if trigger not in set(Trigger):
-            raise ConfigError(f"trigger={trigger!r} is not one of {[t.value for t in Trigger]}")
+        check_trigger(trigger)
         components = dict(components or {})
         receipts = list(receipts)
         names = check_save_names(components, receipts, kinds)
         changed = check_expect_changed(expect_changed, names)
         check_timings(started_at, blocked_seconds)
-        self._queue.wait_previous()
+        self._queue.settle()
         request = commit.SaveRequest(
             step=step,
             # A synchronous save stores straight from the caller's tensors (it waits anyway).
@@ -132,7 +131,10 @@ class Run:
         request.blocked = max([own, *(r.blocked_seconds for r in receipts)])
         blocking_since = None if self.async_save else started - blocked_seconds
         request.blocking_since = blocking_since
-        handle = self._queue.submit(step, lambda: self._store(writer, request), request.blocked)
+        handle = self._queue.submit(
+            lambda: self._store(writer, request),
+            lambda future: SaveHandle(step, future, request.blocked, run=self.name),
+        )
         if blocking_since is not None:
             handle.wait()
             handle.blocked_seconds = max(request.blocked, time.perf_counter() - blocking_since)
@@ -175,7 +177,8 @@ class Run:
 
     def finalize(self) -> CheckpointInfo | None:
         """Wait for the save in flight; raise its error if it failed and was not reported."""
-        return self._queue.finalize()
+        settled = self._queue.settle()
+        return None if settled is None else settled._outcome()
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -184,9 +187,16 @@ class Run:
         """Whether this is the run's writer (it saves, and acts on damage a load finds)."""
         return self.epoch is not None
 
-    def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint, or None. One indexed query."""
+    def latest(self, *, before_step: int | None = None) -> CheckpointInfo | None:
+        """The newest committed checkpoint (below ``before_step``, if given), or None. One
+        indexed query."""
+        if before_step is not None:
+            return reads.newest_committed(self.db, (self.id, self.name), before_step=before_step)
         return reads.latest(self.db, (self.id, self.name))
+
+    def checkpoint(self, step: int) -> CheckpointInfo:
+        """The committed checkpoint at ``step``; ``CheckpointNotFoundError`` saying why not."""
+        return reads.committed_at(self.db, (self.id, self.name), check_step(step))
 
     def checkpoints(self, statuses: Sequence[str] | None = None) -> list[CheckpointInfo]:
         """Every checkpoint of the run (optionally only some statuses), oldest first."""
@@ -199,6 +209,7 @@ class Run:
         components: Iterable[str] | None = None,
         paths: Mapping[str, Iterable[str]] | None = None,
         fallback: bool = True,
+        into: Mapping[str, Any] | None = None,
     ) -> restore.LoadedCheckpoint:
         """Load a committed checkpoint: ``step``, or the newest one.
 
@@ -209,9 +220,22 @@ class Run:
         marks them corrupt (and quarantines the damaged blob); a read-only run changes
         nothing. Bytes this process cannot read (``UnreadableError``) are never a reason to
         skip a checkpoint: that error is raised.
+
+        ``into`` loads in place, as ``dcp.load`` does: it maps a component name to a state of
+        the structure that was saved (``{"policy": model.state_dict(), "optimizer":
+        optim.state_dict()}``), and every tensor of it whose path matches an entry is filled
+        with the stored bytes -- a dense CPU tensor straight from the store as each blob is
+        read and verified, any other (a GPU or strided tensor) by one copy at the end -- and
+        appears in the result as that same tensor. Nothing else is allocated for them and no
+        second pass over the memory is needed. A tensor whose dtype or shape differs from the
+        stored one is a ``ConfigError`` before anything is read. A checkpoint that fails
+        verification may leave unverified bytes in them until the fallback's older checkpoint
+        is loaded over them; if none verifies, their contents are undefined.
         """
         reader = restore.Reader(self.db, self.store, self.id, self.name, self.writable)
-        return restore.load(reader, step, components=components, paths=paths, fallback=fallback)
+        return restore.load(
+            reader, step, components=components, paths=paths, fallback=fallback, into=into
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
 

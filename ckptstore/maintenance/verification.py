@@ -3,7 +3,7 @@
 Only proven damage (a missing blob, bytes that fail their checksum or digest) marks a
 checkpoint corrupt; a blob this process cannot read is reported and changes nothing. Metadata
 that its loader refuses is proof too: a DCP or Megatron checkpoint whose blobs verify is then
-checked as a load checks it (``integrations.validation``: each tensor's chunks tile it, sizes
+checked as a load checks it (``integrations.formats``: each tensor's chunks tile it, sizes
 agree with the rank components' entries), reading only its metadata and indexes; when that
 fails the checkpoint is marked corrupt and no blob is quarantined (the blobs are healthy). A
 checkpoint that stays marked corrupt is reported by every later pass until it is repaired
@@ -32,8 +32,8 @@ from ckptstore.errors import (
     SerializationError,
     UnreadableError,
 )
-from ckptstore.manifest import reads
-from ckptstore.manifest import transactions as tx
+from ckptstore.manifest import reading as reads
+from ckptstore.manifest import repairing as tx
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.objectstore import ObjectStore
@@ -214,7 +214,7 @@ def _check_metadata(
     "missing" or "corrupt": a blob the checkpoint references was found damaged on the way;
     "unreadable": this process cannot check it."""
     # Imported here: the formats' checks (and torch.distributed for DCP) only when used.
-    from ckptstore.integrations.validation import metadata_component, validate_checkpoint
+    from ckptstore.integrations.formats import metadata_component, validate_checkpoint
 
     component = metadata_component(info)
     if component is None:

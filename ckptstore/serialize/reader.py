@@ -2,12 +2,18 @@
 
 The index is fetched, verified against its digest and validated on first use, and kept: every
 load after that fetches only the data blobs it needs (see :mod:`ckptstore.serialize.assemble`).
+
+Byte ranges of array entries (for resharding) are read through a :class:`BlobCache`, which a
+batch of reads -- over one component or several -- shares: each data blob the batch needs is
+fetched and verified once, by whichever read asks first, and dropped after the last read that
+counted on it.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 from ckptstore.cas.blobs import get_blob
@@ -15,8 +21,8 @@ from ckptstore.cas.header import MAX_RAW_LEN, Kind
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore.base import ObjectStore
 from ckptstore.serialize.assemble import load_entries, max_blob_len, with_context
-from ckptstore.serialize.index import ComponentIndex, Entry, decode_index
-from ckptstore.serialize.tree import rebuild
+from ckptstore.serialize.index import ComponentIndex, Entry, Segment, decode_index
+from ckptstore.serialize.tree import rebuild, tensor_paths
 
 #: The largest index blob a load accepts (an index of a million entries is ~200 MiB).
 MAX_INDEX_BYTES = 1 << 30
@@ -88,32 +94,63 @@ class ComponentReader:
         except KeyError:
             raise KeyError(f"no entry {path!r} in this component") from None
 
-    def load_entries(self, positions: Iterable[int], *, max_workers: int = 0) -> dict[int, Any]:
-        """The values of the entries at ``positions`` in :attr:`entries`: position -> value."""
+    def load_entries(
+        self, positions: Iterable[int], *, max_workers: int = 0, into: Any = None
+    ) -> dict[int, Any]:
+        """The values of the entries at ``positions`` in :attr:`entries`: position -> value.
+        ``into``: a state like the saved one (see :meth:`load`)."""
         return load_entries(
-            self.store, self.index, positions, context=self.context, max_workers=max_workers
+            self.store,
+            self.index,
+            positions,
+            context=self.context,
+            max_workers=max_workers,
+            into=tensor_paths(into) if into is not None else None,
         )
 
-    def values(self, *, max_workers: int = 0) -> list[Any]:
+    def values(self, *, max_workers: int = 0, into: Any = None) -> list[Any]:
         """Every entry's value, in the order of :attr:`entries`."""
         positions = range(len(self.entries))
-        loaded = self.load_entries(positions, max_workers=max_workers)
+        loaded = self.load_entries(positions, max_workers=max_workers, into=into)
         return [loaded[i] for i in positions]
 
-    def load(self, *, max_workers: int = 0) -> Any:
-        """The whole component, rebuilt into its original structure."""
-        return rebuild(self.index.tree, self.values(max_workers=max_workers), self._where)
+    def load(self, *, max_workers: int = 0, into: Any = None) -> Any:
+        """The whole component, rebuilt into its original structure.
 
-    def load_paths(self, paths: Iterable[str], *, max_workers: int = 0) -> dict[str, Any]:
+        ``into``: a state of the same structure (e.g. the ``model.state_dict()`` that was
+        saved): each of its tensors whose path matches an entry is loaded in place -- no new
+        memory, no second copy -- and the result holds that same tensor. A matching tensor of
+        another dtype or shape is a ``ConfigError`` before anything is read.
+        """
+        values = self.values(max_workers=max_workers, into=into)
+        return rebuild(self.index.tree, values, self._where)
+
+    def load_paths(
+        self, paths: Iterable[str], *, max_workers: int = 0, into: Any = None
+    ) -> dict[str, Any]:
         """Only the named entries, or ``prefix/`` for a subtree; returns path -> value."""
         positions = self.index.select(paths)
-        values = self.load_entries(positions, max_workers=max_workers)
+        values = self.load_entries(positions, max_workers=max_workers, into=into)
         return {self.entries[i].path: values[i] for i in positions}
+
+    def load_subtree(self, key: str) -> Any:
+        """The value under top-level ``key`` of a dict component, rebuilt from the entries it
+        holds only (the others are not fetched); ``KeyError`` if the component has no such key."""
+        tree = self.index.tree
+        pairs = tree.get("d", []) if isinstance(tree, dict) else []
+        nodes = [p[1] for p in pairs if isinstance(p, list) and len(p) == 2 and p[0] == key]
+        if len(nodes) != 1:
+            raise KeyError(f"no top-level key {key!r} in this component")
+        count = len(self.entries)
+        positions = sorted({i for i in _entry_ids(nodes[0]) if 0 <= i < count})
+        loaded = self.load_entries(positions)
+        return rebuild(nodes[0], [loaded.get(i) for i in range(count)], self._where)
 
     def byte_range(self, path: str, start: int, stop: int) -> bytearray:
         """Bytes ``[start, stop)`` of one array entry, fetching only the blobs that hold them.
 
         Each fetched blob is verified whole, so the granularity is one chunk (64 MiB by default).
+        For many ranges, share one :class:`BlobCache` between them instead.
         """
         entry = self.entry(path)
         if not entry.is_array:
@@ -122,25 +159,117 @@ class ComponentReader:
             raise SerializationError(
                 f"{path}: byte range [{start}, {stop}) is outside its {entry.nbytes} bytes"
             )
-        out = bytearray(stop - start)
-        pos = 0
-        for seg in entry.segments:
-            lo, hi = max(start, pos), min(stop, pos + seg.length)
-            if lo < hi:
-                bound = max_blob_len(
-                    (e.path, s.offset, s.length)
-                    for e in self.entries
-                    for s in e.segments
-                    if s.digest == seg.digest
-                )
-                _, raw = get_blob(
-                    self.store,
-                    seg.digest,
-                    context=with_context(self.context, f"entry {path}"),
-                    max_raw_len=bound,
-                )
-                if seg.offset + seg.length > raw.nbytes:
-                    raise IntegrityError(f"entry {path!r} points past the end of blob {seg.digest}")
-                out[lo - start : hi - start] = raw[seg.offset + lo - pos : seg.offset + hi - pos]
-            pos += seg.length
+        cache = BlobCache(self.store)
+        cache.need(self, entry, [(start, stop)])
+        span = cache.read(self, entry, start, stop)
+        return span if isinstance(span, bytearray) else bytearray(span)
+
+
+class BlobCache:
+    """The data blobs one batch of byte-range reads needs, shared by the batch's threads.
+
+    Announce every read first (:meth:`need`), then :meth:`read` each span: a blob is fetched
+    (and verified) once, by whichever read asks first, and dropped when the last read that
+    announced it has taken its bytes. The readers may belong to different components of one
+    store (a blob two components share is fetched once).
+    """
+
+    def __init__(self, store: ObjectStore) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._refs: dict[str, int] = {}
+        self._bounds: dict[str, int] = {}
+        self._blobs: dict[str, Future[memoryview]] = {}
+        #: Per index digest: data blob digest -> (path, offset, length) of the entries in it.
+        self._targets: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
+
+    def need(self, reader: ComponentReader, entry: Entry, spans: Iterable[tuple[int, int]]) -> None:
+        """Announce reads of the byte ``spans`` ``[lo, hi)`` of ``reader``'s ``entry``."""
+        targets = self._targets.get(reader.index_digest)
+        if targets is None:
+            targets = self._targets[reader.index_digest] = {}
+            for e in reader.entries:
+                for s in e.segments:
+                    targets.setdefault(s.digest, []).append((e.path, s.offset, s.length))
+        for lo, hi in spans:
+            for seg, _, _, _ in _pieces(entry, lo, hi):
+                self._refs[seg.digest] = self._refs.get(seg.digest, 0) + 1
+                bound = max_blob_len(targets.get(seg.digest, []))
+                self._bounds[seg.digest] = max(self._bounds.get(seg.digest, 0), bound)
+
+    def read(
+        self, reader: ComponentReader, entry: Entry, lo: int, hi: int
+    ) -> memoryview | bytearray:
+        """Bytes ``[lo, hi)`` of ``entry`` (announced with :meth:`need`), writable: a view of
+        the blob when one blob holds them all and may be written, else a copy."""
+        where = with_context(reader.context, f"entry {entry.path}")
+        pieces = _pieces(entry, lo, hi)
+        if len(pieces) == 1:
+            seg, a, b, pos = pieces[0]
+            raw = self._get(seg.digest, seg.offset + seg.length, entry, where)
+            try:
+                if not raw.readonly:
+                    start = seg.offset + a - pos
+                    return raw[start : start + b - a]
+            finally:
+                self._release(seg.digest)
+        out = bytearray(hi - lo)
+        for seg, a, b, pos in pieces:
+            raw = self._get(seg.digest, seg.offset + seg.length, entry, where)
+            try:
+                start = seg.offset + a - pos
+                out[a - lo : b - lo] = raw[start : start + b - a]
+            finally:
+                self._release(seg.digest)
         return out
+
+    def _get(self, digest: str, needed: int, entry: Entry, where: str) -> memoryview:
+        with self._lock:
+            future = self._blobs.get(digest)
+            owner = future is None
+            if future is None:
+                future = self._blobs[digest] = Future()
+        if owner:
+            try:
+                bound = self._bounds.get(digest, needed)
+                _, raw = get_blob(self.store, digest, context=where, max_raw_len=bound)
+                if raw.nbytes < needed:
+                    raise IntegrityError(
+                        f"{where}: entry {entry.path!r} points past the end of blob {digest}"
+                    )
+            except BaseException as exc:
+                future.set_exception(exc)
+                raise
+            future.set_result(raw)
+        return future.result()
+
+    def _release(self, digest: str) -> None:
+        with self._lock:
+            self._refs[digest] = self._refs.get(digest, 1) - 1
+            if self._refs[digest] <= 0:
+                self._blobs.pop(digest, None)
+
+
+def _pieces(entry: Entry, lo: int, hi: int) -> list[tuple[Segment, int, int, int]]:
+    """The segments of ``entry`` that bytes ``[lo, hi)`` touch: (segment, start, stop, where
+    the segment starts in the entry)."""
+    pieces, pos = [], 0
+    for seg in entry.segments:
+        a, b = max(lo, pos), min(hi, pos + seg.length)
+        if a < b:
+            pieces.append((seg, a, b, pos))
+        pos += seg.length
+    return pieces
+
+
+def _entry_ids(node: Any) -> Iterator[int]:
+    """The entry numbers a structure node refers to (rebuild validates the node itself)."""
+    if isinstance(node, dict):
+        for tag, body in node.items():
+            if tag == "e" and isinstance(body, int):
+                yield body
+            else:
+                yield from _entry_ids(body)
+    elif isinstance(node, list):
+        for item in node:
+            yield from _entry_ids(item)

@@ -54,13 +54,13 @@ from ckptstore.integrations.dcp import (
     SnapshotStager,
     rank_component,
 )
-from ckptstore.integrations.dcp_metadata import (
+from ckptstore.integrations.dcp._metadata import (
     Location,
     StoredMetadata,
     decode_metadata,
     encode_metadata,
 )
-from ckptstore.integrations.plainvalues import MAX_DEPTH, decode_plain, encode_plain
+from ckptstore.integrations.dcp._plainvalues import MAX_DEPTH, decode_plain, encode_plain
 from ckptstore.serialize.reader import ComponentReader
 from ckptstore.testing.memory import held_and_lazily_freed
 

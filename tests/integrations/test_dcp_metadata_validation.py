@@ -33,7 +33,7 @@ from ckptstore.cas import blob_key
 from ckptstore.checkpointer import Run
 from ckptstore.errors import CkptStoreError, IntegrityError
 from ckptstore.integrations import dcp as ckpt_dcp
-from ckptstore.integrations.tiling import MAX_SPLIT_AXES, check_shape, check_tiling
+from ckptstore.integrations._common.tiling import MAX_SPLIT_AXES, check_shape, check_tiling
 from ckptstore.serialize.reader import ComponentReader
 
 SENTINEL = -7.0

@@ -26,10 +26,10 @@ from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[i
     LoadShardedStrategy,
 )
 
-from ckptstore.checkpointer.run import Run
 from ckptstore.errors import ConfigError
-from ckptstore.integrations._megatron_layout import META
-from ckptstore.integrations._megatron_source import Source
+from ckptstore.floor import Run
+from ckptstore.integrations._common.megatron_layout import META
+from ckptstore.integrations._common.megatron_source import Source
 
 BACKEND = "ckptstore"
 BACKEND_VERSION = 1

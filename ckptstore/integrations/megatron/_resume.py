@@ -25,14 +25,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.cas.blobs import MissingBlobError
-from ckptstore.checkpointer.restore import Reader, check_store_holds, mark_corrupt
-from ckptstore.checkpointer.run import Run
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, IntegrityError
-from ckptstore.integrations._megatron_commit import describe
-from ckptstore.integrations._megatron_source import Source
-from ckptstore.manifest import reads
-from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.floor import CheckpointInfo, MissingBlobError, Run, mark_corrupt
+from ckptstore.integrations._common.megatron_source import Source
+from ckptstore.integrations.megatron._commit import describe
 
 log = logging.getLogger("ckptstore.integrations.megatron")
 
@@ -92,7 +88,7 @@ def _choose(
     skipped[:] = verdict["skipped"]
     if verdict["step"] is None:
         return None, None
-    return reads.committed_at(run.db, (run.id, run.name), verdict["step"]), None
+    return run.checkpoint(verdict["step"]), None
 
 
 def _newest_valid(
@@ -101,7 +97,7 @@ def _newest_valid(
     """Rank 0: the newest committed checkpoint below ``before`` whose metadata holds, opened;
     those that fail are marked corrupt (see the module) and added to ``skipped``."""
     while True:
-        info = reads.newest_committed(run.db, (run.id, run.name), before_step=before)
+        info = run.latest(before_step=before)
         if info is None:
             return None
         try:
@@ -120,10 +116,7 @@ def _newest_valid(
 def _condemn(run: Run, info: CheckpointInfo, exc: IntegrityError) -> None:
     """Rank 0: the checkpoint failed verification -- marked corrupt by a writer, reported by
     a reader -- unless the store is the wrong one (``StoreNotFoundError``)."""
-    reader = Reader(run.db, run.store, run.id, run.name, run.writable)
-    if isinstance(exc, MissingBlobError):
-        check_store_holds(reader, info, exc)
-    mark_corrupt(reader, info, exc)
+    mark_corrupt(run, info, exc)
 
 
 def _fall_back(run: Run, info: CheckpointInfo, failure: Exception | None, fallback: bool) -> bool:

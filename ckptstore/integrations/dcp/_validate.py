@@ -1,6 +1,6 @@
 """A DCP checkpoint's metadata checked against itself and against what its ranks stored.
 
-:func:`~ckptstore.integrations.dcp_metadata.decode_metadata` has already checked that every
+:func:`~ckptstore.integrations.dcp._metadata.decode_metadata` has already checked that every
 tensor's chunks tile it. Here, before any data is read:
 
 - :func:`expected_items`: every chunk and plain value has exactly one location, every location
@@ -21,11 +21,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ckptstore.errors import IntegrityError
-from ckptstore.integrations.dcp_metadata import StoredMetadata, rank_component
-from ckptstore.integrations.tiling import WRONG_METADATA
-from ckptstore.serialize.dtypes import torch_dtype
-from ckptstore.serialize.index import Entry
-from ckptstore.serialize.reader import ComponentReader
+from ckptstore.floor import ComponentReader, Entry, torch_dtype
+from ckptstore.integrations._common.tiling import WRONG_METADATA
+from ckptstore.integrations.dcp._metadata import StoredMetadata, rank_component
 
 
 @dataclass(frozen=True, slots=True)

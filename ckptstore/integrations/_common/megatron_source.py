@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, UnreadableError
-from ckptstore.integrations._megatron_layout import (
+from ckptstore.floor import CheckpointInfo, ComponentReader, ObjectStore
+from ckptstore.integrations._common.megatron_layout import (
     COMMON,
     FORMAT,
     META,
@@ -25,11 +26,7 @@ from ckptstore.integrations._megatron_layout import (
     overlap,
     tensor_box,
 )
-from ckptstore.integrations.tiling import WRONG_METADATA
-from ckptstore.manifest.records import CheckpointInfo
-from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.reader import ComponentReader
-from ckptstore.serialize.tree import rebuild
+from ckptstore.integrations._common.tiling import WRONG_METADATA
 
 #: metadata.json's fields (Megatron's CheckpointingConfig); nothing else is staged.
 CONFIG_FIELDS = {
@@ -183,16 +180,12 @@ class Source:
 
     def _subtree(self, shard: ObjectShard) -> Any:
         """One top-level value of a rank component, rebuilt from only the entries it holds."""
-        reader = self.reader(shard.component)
-        tree = reader.index.tree
-        pairs = tree.get("d", []) if isinstance(tree, dict) else []
-        nodes = [p[1] for p in pairs if isinstance(p, list) and len(p) == 2 and p[0] == shard.path]
-        if len(nodes) != 1:
-            raise IntegrityError(f"{self.where}: {shard.component} has no object {shard.path!r}")
-        count = len(reader.entries)
-        positions = sorted({i for i in _entry_ids(nodes[0]) if 0 <= i < count})
-        loaded = reader.load_entries(positions)
-        return rebuild(nodes[0], [loaded.get(i) for i in range(count)], self.where)
+        try:
+            return self.reader(shard.component).load_subtree(shard.path)
+        except KeyError:
+            raise IntegrityError(
+                f"{self.where}: {shard.component} has no object {shard.path!r}"
+            ) from None
 
     def common(self) -> dict[str, Any]:
         """The common state dict ({} if none was saved)."""
@@ -225,19 +218,6 @@ def validate_checkpoint(store: ObjectStore, info: CheckpointInfo) -> None:
     Source(store, info).validate()
 
 
-def _entry_ids(node: Any) -> Iterator[int]:
-    """The entry numbers a structure node refers to (rebuild validates the node itself)."""
-    if isinstance(node, dict):
-        for tag, body in node.items():
-            if tag == "e" and isinstance(body, int):
-                yield body
-            else:
-                yield from _entry_ids(body)
-    elif isinstance(node, list):
-        for item in node:
-            yield from _entry_ids(item)
-
-
 def check_entries(reader: ComponentReader, shards: Iterable[TensorShard]) -> None:
     """Check that a rank component holds each of ``shards`` as the layout says -- a tensor of
     its dtype and shape, so of its number of bytes -- before any of its data is read."""
@@ -252,3 +232,28 @@ def check_entries(reader: ComponentReader, shards: Iterable[TensorShard]) -> Non
                 f"{shard.dtype}{list(shard.shape)} in the layout, but {found} is stored there "
                 + WRONG_METADATA
             )
+
+
+def state_dict_items(store: ObjectStore, info: CheckpointInfo) -> list[dict[str, Any]]:
+    """The checkpoint's state dict by name (see ``formats.Items``), from ckptstore's own
+    reading of the layout: Megatron-Core itself is not imported."""
+    where = f"run {info.run!r}, step {info.step}"
+    _, layout = parse_meta(meta_reader(store, info).load(), where)
+    items: dict[str, dict[str, Any]] = {}
+    for t in layout.tensors:
+        item = items.setdefault(
+            t.key,
+            {"name": t.key, "kind": "tensor", "dtype": t.dtype, "shape": list(t.global_shape)},
+        )
+        item.setdefault("ranks", set()).add(_rank_of(t.component))
+    for o in layout.objects:
+        item = items.setdefault(
+            o.key, {"name": o.key, "kind": "object", "dtype": None, "shape": None}
+        )
+        item.setdefault("ranks", set()).add(_rank_of(o.component))
+    return [item | {"ranks": sorted(item["ranks"])} for item in items.values()]
+
+
+def _rank_of(component: str) -> int:
+    """``megatron/rank3`` -> 3."""
+    return int(component.rsplit("rank", 1)[1])

@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ckptstore.checkpointer.snapshot import HostBuffers
-from ckptstore.integrations.plainvalues import decode_plain, encode_plain
+from ckptstore.floor import HostBuffers
+from ckptstore.integrations.dcp._plainvalues import decode_plain, encode_plain
 
 # -- planners ---------------------------------------------------------------------------------
 

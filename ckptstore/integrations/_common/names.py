@@ -1,6 +1,7 @@
 """The components that make a checkpoint a DCP or a Megatron one, named where importing them
-costs nothing: ``ckptstore verify`` tells the formats apart without importing
-torch.distributed.checkpoint (about a second) for checkpoints that are not DCP ones."""
+costs nothing: ``ckptstore verify`` and ``export`` tell the formats apart
+(:mod:`ckptstore.integrations.formats`) without importing torch.distributed.checkpoint (about a
+second) for checkpoints that are not DCP ones."""
 
 #: The component holding a DCP checkpoint's metadata (JSON) and its rank components' digests.
 DCP_METADATA = "dcp/metadata"

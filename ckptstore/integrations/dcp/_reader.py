@@ -6,11 +6,9 @@ from __future__ import annotations
 import io
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future as ConcurrentFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -22,8 +20,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptstore.cas.blobs import get_blob
-from ckptstore.checkpointer.run import Run
 from ckptstore.errors import (
     CheckpointNotFoundError,
     ComponentNotFoundError,
@@ -31,7 +27,17 @@ from ckptstore.errors import (
     IntegrityError,
     SerializationError,
 )
-from ckptstore.integrations.dcp_metadata import (
+from ckptstore.floor import (
+    BlobCache,
+    CheckpointInfo,
+    ComponentReader,
+    Entry,
+    ObjectStore,
+    Run,
+    open_store,
+    torch_dtype,
+)
+from ckptstore.integrations.dcp._metadata import (
     METADATA_COMPONENT,
     METADATA_FORMAT,
     Location,
@@ -39,16 +45,13 @@ from ckptstore.integrations.dcp_metadata import (
     decode_metadata,
     rank_component,
 )
-from ckptstore.integrations.dcp_planners import NoPickleLoadPlanner
-from ckptstore.integrations.dcp_validate import Expected, check_entries, expected_items, item_entry
-from ckptstore.manifest import reads
-from ckptstore.manifest.records import CheckpointInfo
-from ckptstore.names import check_step
-from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.serialize.assemble import max_blob_len, with_context
-from ckptstore.serialize.dtypes import torch_dtype
-from ckptstore.serialize.index import Entry, Segment
-from ckptstore.serialize.reader import ComponentReader
+from ckptstore.integrations.dcp._planners import NoPickleLoadPlanner
+from ckptstore.integrations.dcp._validate import (
+    Expected,
+    check_entries,
+    expected_items,
+    item_entry,
+)
 
 # -- reading ----------------------------------------------------------------------------------
 
@@ -91,11 +94,7 @@ class CkptStoreReader(StorageReader):
         max_workers: int = 8,
     ) -> CkptStoreReader:
         """The reader for ``run``'s checkpoint at ``step`` (default: the newest committed)."""
-        info = (
-            reads.committed_at(run.db, (run.id, run.name), check_step(step))
-            if step is not None
-            else run.latest()
-        )
+        info = run.checkpoint(step) if step is not None else run.latest()
         if info is None:
             raise CheckpointNotFoundError(f"run {run.name!r} has no committed checkpoint to load")
         return cls.for_checkpoint(run.store, info, component=component, max_workers=max_workers)
@@ -152,7 +151,7 @@ class CkptStoreReader(StorageReader):
         return stored
 
     def _fetch_metadata(self) -> StoredMetadata:
-        where = with_context(self.context, f"component {METADATA_COMPONENT!r}")
+        where = _with_context(self.context, f"component {METADATA_COMPONENT!r}")
         doc = ComponentReader(self.store, self.metadata_digest, context=where).load()
         if (
             not isinstance(doc, dict)
@@ -195,19 +194,19 @@ class CkptStoreReader(StorageReader):
                     "planner=NoPickleLoadPlanner()"
                 )
             groups.setdefault(location, []).append(item)
-        cache = _BlobCache(self.store)
-        tasks: list[tuple[Entry, str, list[tuple[ReadItem, int, int]]]] = []
+        cache = BlobCache(self.store)
+        tasks: list[tuple[ComponentReader, Entry, str, list[tuple[ReadItem, int, int]]]] = []
         for location, items in groups.items():
             reader = self._rank_reader(stored, location.rank)
             _, entry = item_entry(reader, location.position)
-            where = with_context(reader.context, f"entry {entry.path}")
+            where = _with_context(reader.context, f"entry {entry.path}")
             if not entry.is_array:
                 for item in items:
                     planner.load_bytes(item, io.BytesIO(_stored_text(entry, item, where)))
                 continue
             boxes = [(item, *_check_box(entry, item, where)) for item in items]
             cache.need(reader, entry, [(lo, hi) for _, lo, hi in boxes])
-            tasks.append((entry, where, boxes))
+            tasks.append((reader, entry, where, boxes))
         if tasks:
             workers = min(self.max_workers, len(tasks))
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dcp-read") as pool:
@@ -219,11 +218,12 @@ class CkptStoreReader(StorageReader):
 
     def _read_boxes(
         self,
+        reader: ComponentReader,
         entry: Entry,
         where: str,
         boxes: list[tuple[ReadItem, int, int]],
         planner: LoadPlanner,
-        cache: _BlobCache,
+        cache: BlobCache,
     ) -> None:
         """Copy each box of one stored tensor into its target."""
         dtype = torch_dtype(entry.dtype, where)
@@ -237,7 +237,7 @@ class CkptStoreReader(StorageReader):
                     f"{tuple(target.shape)}, the stored box {lengths}"
                 )
             if hi > lo:
-                span = cache.read(entry, lo, hi, where)
+                span = torch.frombuffer(cache.read(reader, entry, lo, hi), dtype=torch.uint8)
                 target.copy_(torch.as_strided(span.view(dtype), lengths, strides))
             planner.commit_tensor(item, target)
 
@@ -250,7 +250,7 @@ class CkptStoreReader(StorageReader):
                     raise IntegrityError(
                         f"{self.context}: the metadata names no index for rank {rank}"
                     )
-                context = with_context(self.context, f"component {rank_component(rank)!r}")
+                context = _with_context(self.context, f"component {rank_component(rank)!r}")
                 reader = ComponentReader(self.store, digest, context=context)
                 # Before any of its data is read: its entries are what the metadata says.
                 check_entries(reader, self._expected.get(rank, {}))
@@ -295,100 +295,17 @@ def _check_box(entry: Entry, item: ReadItem, where: str) -> tuple[int, int]:
     return first * itemsize, (last + 1) * itemsize
 
 
+def _with_context(context: str, detail: str) -> str:
+    """``detail`` after the reader's ``context`` (run, step), if it has one."""
+    return f"{context}, {detail}" if context else detail
+
+
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
-
-
-class _BlobCache:
-    """The blobs one ``read_data`` needs: each fetched (and verified) once, by whichever box
-    asks first, and dropped when the last box that needs it has been copied out."""
-
-    def __init__(self, store: ObjectStore) -> None:
-        self.store = store
-        self._lock = threading.Lock()
-        self._refs: dict[str, int] = {}
-        self._bounds: dict[str, int] = {}
-        self._blobs: dict[str, ConcurrentFuture[memoryview]] = {}
-        self._targets: dict[str, dict[str, list[tuple[str, int, int]]]] = {}
-
-    def need(self, reader: ComponentReader, entry: Entry, spans: list[tuple[int, int]]) -> None:
-        """Count the blobs that the byte ``spans`` of ``entry`` will read."""
-        targets = self._targets.get(reader.index_digest)
-        if targets is None:
-            targets = self._targets[reader.index_digest] = {}
-            for e in reader.entries:
-                for s in e.segments:
-                    targets.setdefault(s.digest, []).append((e.path, s.offset, s.length))
-        for lo, hi in spans:
-            for seg, _, _, _ in _pieces(entry, lo, hi):
-                self._refs[seg.digest] = self._refs.get(seg.digest, 0) + 1
-                bound = max_blob_len(targets.get(seg.digest, []))
-                self._bounds[seg.digest] = max(self._bounds.get(seg.digest, 0), bound)
-
-    def read(self, entry: Entry, lo: int, hi: int, where: str) -> torch.Tensor:
-        """Bytes ``[lo, hi)`` of ``entry`` as a uint8 tensor (a view of the blob if it can)."""
-        pieces = _pieces(entry, lo, hi)
-        if len(pieces) == 1:
-            seg, a, b, pos = pieces[0]
-            raw = self._get(seg.digest, seg.offset + seg.length, where)
-            try:
-                if not raw.readonly:
-                    start = seg.offset + a - pos
-                    return torch.frombuffer(raw, dtype=torch.uint8)[start : start + b - a]
-            finally:
-                self._release(seg.digest)
-        out = torch.empty(hi - lo, dtype=torch.uint8)
-        sink = out.numpy()
-        for seg, a, b, pos in pieces:
-            raw = self._get(seg.digest, seg.offset + seg.length, where)
-            try:
-                source = np.frombuffer(raw, dtype=np.uint8)
-                start = seg.offset + a - pos
-                sink[a - lo : b - lo] = source[start : start + b - a]
-            finally:
-                self._release(seg.digest)
-        return out
-
-    def _get(self, digest: str, needed: int, where: str) -> memoryview:
-        with self._lock:
-            future = self._blobs.get(digest)
-            owner = future is None
-            if future is None:
-                future = self._blobs[digest] = ConcurrentFuture()
-        if owner:
-            try:
-                _, raw = get_blob(
-                    self.store, digest, context=where, max_raw_len=self._bounds.get(digest, needed)
-                )
-                if raw.nbytes < needed:
-                    raise IntegrityError(f"{where}: the entry points past the end of blob {digest}")
-            except BaseException as exc:
-                future.set_exception(exc)
-                raise
-            future.set_result(raw)
-        return future.result()
-
-    def _release(self, digest: str) -> None:
-        with self._lock:
-            self._refs[digest] = self._refs.get(digest, 1) - 1
-            if self._refs[digest] <= 0:
-                self._blobs.pop(digest, None)
-
-
-def _pieces(entry: Entry, lo: int, hi: int) -> list[tuple[Segment, int, int, int]]:
-    """The segments of ``entry`` that bytes ``[lo, hi)`` touch: (segment, start, stop, where
-    the segment starts in the entry)."""
-    pieces, pos = [], 0
-    for seg in entry.segments:
-        a, b = max(lo, pos), min(hi, pos + seg.length)
-        if a < b:
-            pieces.append((seg, a, b, pos))
-        pos += seg.length
-    return pieces
 
 
 # -- consolidation (export) -------------------------------------------------------------------
@@ -444,3 +361,20 @@ def iter_full_tensors(
             box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes, strict=True))
             full[box] = values[rank][number]
         yield fqn, full
+
+
+def state_dict_items(store: ObjectStore, info: CheckpointInfo) -> list[dict[str, Any]]:
+    """The checkpoint's state dict by name (see ``formats.Items``): each item's global dtype
+    and shape, and the ranks whose components hold its data."""
+    metadata = CkptStoreReader.for_checkpoint(store, info).stored_metadata().metadata
+    ranks: dict[str, set[int]] = {}
+    for index, location in metadata.storage_data.items():
+        ranks.setdefault(index.fqn, set()).add(location.rank)
+    items = []
+    for fqn, md in metadata.state_dict_metadata.items():
+        item: dict[str, Any] = {"name": fqn, "kind": "value", "dtype": None, "shape": None}
+        if isinstance(md, TensorStorageMetadata):
+            dtype = str(md.properties.dtype).removeprefix("torch.")
+            item |= {"kind": "tensor", "dtype": dtype, "shape": list(md.size)}
+        items.append(item | {"ranks": sorted(ranks.get(fqn, ()))})
+    return items

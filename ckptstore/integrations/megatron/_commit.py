@@ -3,7 +3,7 @@
 Sequence (every rank, in the order Megatron calls the strategy):
 
 1. Each rank stores the main replicas of its shards as ``megatron/rank<r>`` through a
-   :class:`~ckptstore.checkpointer.shards.ShardWriter` and keeps an :class:`Outcome`: its receipt
+   :class:`~ckptstore.floor.ShardWriter` and keeps an :class:`Outcome`: its receipt
    and layout, or the error that stopped it. An async save does this in Megatron's background
    process, which hands the outcome back as a JSON file (never a pickle).
 2. :func:`finish_save` (inside ``save``, or in an async request's finalize function, which
@@ -22,14 +22,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.cas.blobs import BlobRef
-from ckptstore.cas.header import Kind
-from ckptstore.checkpointer.run import Run
-from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
 from ckptstore.errors import SaveError
-from ckptstore.integrations._megatron_layout import COMMON, FORMAT, META, VERSION, Layout
-from ckptstore.objectstore import ObjectStore, S3Store, open_store
-from ckptstore.serialize.save import ComponentResult
+from ckptstore.floor import (
+    ObjectStore,
+    Run,
+    ShardWriter,
+    open_store,
+    receipt_from_json,
+    receipt_to_json,
+)
+from ckptstore.integrations._common.megatron_layout import COMMON, META, Layout, meta_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,45 +44,12 @@ class StoreSpec:
     @staticmethod
     def of(store: ObjectStore) -> StoreSpec:
         """The spec of an open store (an S3 store keeps its explicit endpoint)."""
-        endpoint = getattr(store, "endpoint", None) if isinstance(store, S3Store) else None
+        endpoint = getattr(store, "endpoint", None)
         return StoreSpec(store.url, {"endpoint_url": endpoint} if endpoint else {})
 
     def open(self) -> ObjectStore:
         """A new store over the same location."""
         return open_store(self.url, create=False, **self.options)
-
-
-def receipt_to_json(receipt: ShardReceipt) -> dict[str, Any]:
-    """A receipt as plain JSON."""
-    result = receipt.result
-    return {
-        "component": receipt.component,
-        "kind": receipt.kind,
-        "started_at": receipt.started_at,
-        "blocked_seconds": receipt.blocked_seconds,
-        "upload_seconds": receipt.upload_seconds,
-        "index_digest": result.index_digest,
-        "entries": result.entries,
-        "logical_bytes": result.logical_bytes,
-        "blobs": [
-            [b.digest, int(b.kind), b.codec, b.logical_bytes, b.stored_bytes, b.uploaded]
-            for b in result.blobs
-        ],
-    }
-
-
-def receipt_from_json(doc: dict[str, Any]) -> ShardReceipt:
-    """The receipt :func:`receipt_to_json` wrote (JSON this job produced itself)."""
-    blobs = tuple(BlobRef(d, Kind(k), c, lb, sb, up) for d, k, c, lb, sb, up in doc["blobs"])
-    result = ComponentResult(doc["index_digest"], doc["entries"], doc["logical_bytes"], blobs)
-    return ShardReceipt(
-        doc["component"],
-        result,
-        doc["kind"],
-        doc["started_at"],
-        doc["blocked_seconds"],
-        doc["upload_seconds"],
-    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,17 +138,9 @@ class Commit:
     metrics: dict[str, Any] | None = None
     #: Why rank 0 cannot commit before any upload (e.g. a common state that is not plain).
     error: str | None = None
-
-
-def meta_state(layout: Layout, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
-    """The ``megatron/meta`` component: metadata.json's content, the layout, the world size."""
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "metadata": config,
-        "world_size": world_size,
-        "layout": layout.to_json(),
-    }
+    #: Whether every rank component must differ from the previous checkpoint's (Run.save's
+    #: stale-state guard over ``megatron/rank<r>``).
+    expect_changed: bool = False
 
 
 def finish_save(local: Outcome, commit: Commit, config: dict[str, Any]) -> int:
@@ -224,6 +185,7 @@ def _commit_all(outcomes: list[Outcome], commit: Commit, config: dict[str, Any],
             receipts=receipts,
             training_info=commit.training_info,
             metrics=commit.metrics,
+            expect_changed=[r.component for r in receipts] if commit.expect_changed else (),
         ).wait()
     except Exception as exc:
         return json.dumps({"error": f"{where} failed at the commit: {describe(exc)}"})

@@ -26,11 +26,12 @@ read-only run or just the store. Loading needs the metadata component's digest (
 finds it); every rank then reads only the blobs that hold the boxes it asks for.
 
 Before anything is read, the metadata is checked as a whole: every tensor's chunks tile it
-exactly and its shape is one a tensor can have (``tiling``), every chunk and value has one
-location (``dcp_validate``), and each rank component, when opened, holds what the metadata
+exactly and its shape is one a tensor can have (``_common.tiling``), every chunk and value has
+one location (``_validate``), and each rank component, when opened, holds what the metadata
 places in it. A checkpoint that fails is treated like a corrupt one: ``IntegrityError``, and
-``load`` falls back to the previous committed checkpoint. The writer is in ``dcp_writer``, the
-reader in ``dcp_reader``.
+``load`` falls back to the previous committed checkpoint. The writer is in ``_writer``, the
+reader in ``_reader``, the no-pickle planners in ``_planners`` (plain values as JSON:
+``_plainvalues``) and the metadata document in ``_metadata``; this module is the public face.
 """
 
 from __future__ import annotations
@@ -52,28 +53,21 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ckptstore.cas.writer import WriterOptions
-from ckptstore.checkpointer.restore import Reader, mark_corrupt
-from ckptstore.checkpointer.run import Run
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, IntegrityError, SaveError
-from ckptstore.integrations.dcp_metadata import METADATA_COMPONENT, rank_component
-from ckptstore.integrations.dcp_planners import (
+from ckptstore.floor import CheckpointInfo, ObjectStore, Run, WriterOptions, mark_corrupt
+from ckptstore.integrations.dcp._metadata import METADATA_COMPONENT, rank_component
+from ckptstore.integrations.dcp._planners import (
     NoPickleLoadPlanner,
     NoPickleSavePlanner,
     SnapshotStager,
 )
-from ckptstore.integrations.dcp_reader import (
+from ckptstore.integrations.dcp._reader import (
     CkptStoreReader,
     is_dcp_checkpoint,
     iter_full_tensors,
     validate_checkpoint,
 )
-from ckptstore.integrations.dcp_writer import CkptStoreWriter
-from ckptstore.manifest import reads
-from ckptstore.manifest.models import Trigger
-from ckptstore.manifest.records import CheckpointInfo
-from ckptstore.names import check_step
-from ckptstore.objectstore import ObjectStore
+from ckptstore.integrations.dcp._writer import CkptStoreWriter
 
 log = logging.getLogger("ckptstore.integrations.dcp")
 
@@ -110,8 +104,9 @@ def save(
     stager: SnapshotStager | None = None,
     training_info: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
-    trigger: str = Trigger.MANUAL,
+    trigger: str = "manual",
     writer_options: WriterOptions | None = None,
+    expect_changed: bool = False,
 ) -> CheckpointInfo | ConcurrentFuture[CheckpointInfo | None] | None:
     """Save ``state_dict`` (DTensors, tensors, plain values) from every rank as ``step``.
 
@@ -121,6 +116,11 @@ def save(
     the stager's reused host buffers and the rest runs in the background: the result is a
     future of the same value (its failure is a ``SaveError``); the next save waits for it.
     A failure on any rank commits nothing and raises ``SaveError`` on every rank.
+
+    ``expect_changed``: the state must differ from the previous committed checkpoint's. A rank
+    component (``dcp/rank<r>``) that stored the same content is logged as a warning and listed
+    in the committed row's ``training_info["stale_components"]`` -- ``Run.save``'s guard
+    against a writer that saves stale weights.
     """
     writer = CkptStoreWriter(
         run,
@@ -129,6 +129,7 @@ def save(
         metrics=metrics,
         trigger=trigger,
         writer_options=writer_options,
+        expect_changed=expect_changed,
     )
     planner = planner or NoPickleSavePlanner()
     what = f"the DCP save of step {step}" + (
@@ -203,9 +204,8 @@ def load(
     ``CheckpointNotFoundError``, or the ckptstore error a rank raised.
     """
     planner = planner or NoPickleLoadPlanner()
-    key = (run.id, run.name)
     if step is not None:
-        info = reads.committed_at(run.db, key, check_step(step))
+        info = run.checkpoint(step)
         _load_one(state_dict, run, info, planner, process_group, max_workers)
         return info
     before: int | None = None
@@ -223,7 +223,9 @@ def load(
             if not fallback:
                 raise
             if _rank(process_group) == 0:
-                mark_corrupt(Reader(run.db, run.store, run.id, run.name, run.writable), found, exc)
+                # Without the store check: the other ranks go on to the next checkpoint, so
+                # rank 0 must not raise here alone.
+                mark_corrupt(run, found, exc, check_store=False)
             skipped.append(found.step)
             before = found.step
             continue
@@ -239,21 +241,16 @@ def _newest_for_all(
 ) -> CheckpointInfo | None:
     """The newest committed checkpoint (below ``before``) as the coordinator sees it, the same
     on every rank: ranks that asked the database themselves could see different ones."""
-    key = (run.id, run.name)
     if not _distributed():
-        return reads.newest_committed(run.db, key, before_step=before)
-    found = (
-        reads.newest_committed(run.db, key, before_step=before)
-        if _rank(process_group) == 0
-        else None
-    )
+        return run.latest(before_step=before)
+    found = run.latest(before_step=before) if _rank(process_group) == 0 else None
     chosen: list[int | None] = [None if found is None else found.step]
     source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
     dist.broadcast_object_list(chosen, src=source, group=process_group)
     step = chosen[0]
     if found is not None or step is None:
         return found
-    return reads.committed_at(run.db, key, step)
+    return run.checkpoint(step)
 
 
 def _load_one(

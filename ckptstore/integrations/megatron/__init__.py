@@ -13,17 +13,19 @@ sharded_strategy=CkptStoreSaveStrategy(run, step))``, and :func:`register` to ma
 Each rank uploads the main replicas of its shards itself (``megatron/rank<r>``); rank 0
 commits them with ``megatron/meta`` (metadata.json and the layout) and ``megatron/common``
 (the common state dict) in one transaction, at the end of ``save`` or in the async request's
-finalize function -- only if every rank succeeded (see ``_megatron_commit``). Loading reads
+finalize function -- only if every rank succeeded (see ``_commit``). Loading reads
 metadata.json and the common state from the store, never a pickle: the common state dict is
 taken in memory from Megatron's own common strategy as it writes ``common.pt`` into the local
 ``checkpoint_dir`` (the file is never read back; ckptstore's own private directories get
-none, see ``_megatron_scratch``) and stored through ckptstore's serializer; a common state that
+none, see ``_scratch``) and stored through ckptstore's serializer; a common state that
 is not plain (tensors, numbers, strings, containers) is refused. Before a load or an export
 reads anything, the layout is checked as a whole (``Layout.check``: each tensor's shards tile
 it exactly), and each rank component as it is opened (its entries are what the layout says).
 Loading the newest checkpoint falls back past one that fails, as ``ckpt_dcp.load`` does: rank 0
 checks the metadata before anything is loaded, and the ranks agree on damage found while
-reading data (``_megatron_resume``).
+reading data (``_resume``). The stored layout and the reader that needs no Megatron-Core
+(so ``ckptstore verify`` and ``export`` work without it) are in
+``ckptstore.integrations._common`` (``megatron_layout``, ``megatron_source``).
 """
 
 from __future__ import annotations
@@ -57,10 +59,19 @@ from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[i
     register_default_strategy,
 )
 
-from ckptstore.checkpointer.run import Run
 from ckptstore.errors import ConfigError, SerializationError
-from ckptstore.integrations import _megatron_scratch as scratch
-from ckptstore.integrations._megatron_commit import (
+from ckptstore.floor import CheckpointInfo, ObjectStore, Run, check_savable, open_store
+from ckptstore.integrations._common.megatron_layout import (
+    META,
+    SHARD_PREFIX,
+    Layout,
+    ObjectShard,
+    TensorShard,
+    tensor_shard,
+)
+from ckptstore.integrations._common.megatron_source import Source, validate_checkpoint
+from ckptstore.integrations.megatron import _scratch as scratch
+from ckptstore.integrations.megatron._commit import (
     Commit,
     Outcome,
     StoreSpec,
@@ -70,15 +81,7 @@ from ckptstore.integrations._megatron_commit import (
     upload,
     upload_to_file,
 )
-from ckptstore.integrations._megatron_layout import (
-    META,
-    SHARD_PREFIX,
-    Layout,
-    ObjectShard,
-    TensorShard,
-    tensor_shard,
-)
-from ckptstore.integrations._megatron_load import (
+from ckptstore.integrations.megatron._load import (
     BACKEND,
     BACKEND_VERSION,
     CONFIG,
@@ -87,11 +90,7 @@ from ckptstore.integrations._megatron_load import (
     StepOf,
     iteration_of,
 )
-from ckptstore.integrations._megatron_resume import load_newest
-from ckptstore.integrations._megatron_source import Source, validate_checkpoint
-from ckptstore.manifest.records import CheckpointInfo
-from ckptstore.objectstore import ObjectStore, open_store
-from ckptstore.serialize.save import flatten_state
+from ckptstore.integrations.megatron._resume import load_newest
 
 __all__ = [
     "BACKEND",
@@ -190,7 +189,7 @@ def _take_common(checkpoint_dir: str) -> Any:
     common = _kept_common.pop(os.path.abspath(checkpoint_dir), None)
     if common is not None:
         try:
-            flatten_state(common)
+            check_savable(common)
         except SerializationError as exc:
             raise ConfigError(
                 f"Megatron's common state dict holds objects that are not plain data ({exc}); "
@@ -205,6 +204,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
 
     ``target``: a writable :class:`Run` on rank 0; a run, store or store URL on other ranks.
     ``step``: the checkpoint's step; None takes it from ``checkpoint_dir`` with ``step_of``.
+    ``expect_changed``: as for :func:`save`.
     """
 
     def __init__(
@@ -215,6 +215,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         training_info: dict[str, Any] | None = None,
         metrics: dict[str, Any] | None = None,
         step_of: StepOf = iteration_of,
+        expect_changed: bool = False,
     ) -> None:
         super().__init__(BACKEND, BACKEND_VERSION)
         _keep_common_states()
@@ -224,6 +225,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         self.training_info = training_info
         self.metrics = metrics
         self.step_of = step_of
+        self.expect_changed = expect_changed
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -272,7 +274,14 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
                 f"no step for the Megatron save to {checkpoint_dir!r}: name the directory "
                 "iter_<step> or pass CkptStoreSaveStrategy(run, step)"
             )
-        commit = Commit(step, self.run, None, self.training_info, self.metrics)
+        commit = Commit(
+            step,
+            self.run,
+            None,
+            self.training_info,
+            self.metrics,
+            expect_changed=self.expect_changed,
+        )
         if dist.get_rank() == 0:
             try:
                 commit.common = _take_common(checkpoint_dir)
@@ -314,6 +323,7 @@ def save(
     training_info: dict[str, Any] | None = None,
     metrics: dict[str, Any] | None = None,
     validate_access_integrity: bool = True,
+    expect_changed: bool = False,
 ) -> Any:
     """Save a Megatron sharded state dict as checkpoint ``step`` (collective, every rank).
 
@@ -322,8 +332,19 @@ def save(
     or, if this process is killed, by the next save or load on this host). Returns None, or
     with ``async_save`` Megatron's ``AsyncRequest`` to schedule (``AsyncCallsQueue``); its
     finalize functions commit.
+
+    ``expect_changed``: the state must differ from the previous committed checkpoint's. A rank
+    component (``megatron/rank<r>``) that stored the same shards is logged as a warning and
+    listed in the committed row's ``training_info["stale_components"]`` -- ``Run.save``'s
+    guard against a writer that saves stale weights.
     """
-    strategy = CkptStoreSaveStrategy(target, step, training_info=training_info, metrics=metrics)
+    strategy = CkptStoreSaveStrategy(
+        target,
+        step,
+        training_info=training_info,
+        metrics=metrics,
+        expect_changed=expect_changed,
+    )
     directory = checkpoint_dir or scratch.private_dir("save")
 
     def cleanup() -> None:

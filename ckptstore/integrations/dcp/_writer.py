@@ -15,22 +15,26 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ckptstore.cas.writer import WriterOptions
-from ckptstore.checkpointer.run import Run
-from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
 from ckptstore.errors import CkptStoreError, ConfigError, SaveError, SerializationError
-from ckptstore.integrations.dcp_metadata import (
+from ckptstore.floor import (
+    CheckpointInfo,
+    ObjectStore,
+    Run,
+    ShardReceipt,
+    ShardWriter,
+    WriterOptions,
+    check_step,
+    open_store,
+    parse_step_id,
+)
+from ckptstore.integrations.dcp._metadata import (
     METADATA_COMPONENT,
     METADATA_FORMAT,
     Location,
     encode_metadata,
     rank_component,
 )
-from ckptstore.integrations.plainvalues import decode_plain
-from ckptstore.manifest.models import Trigger
-from ckptstore.manifest.records import CheckpointInfo
-from ckptstore.names import check_step
-from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.integrations.dcp._plainvalues import decode_plain
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +61,10 @@ class CkptStoreWriter(StorageWriter):
     ``target`` is the run on the coordinator (it must be writable) and the run, the store or a
     store URL on the other ranks. ``step`` may also come as DCP's ``checkpoint_id``. The
     committed :class:`CheckpointInfo` is ``self.committed`` on the coordinator afterwards.
+
+    ``expect_changed``: every rank component must differ from the previous committed
+    checkpoint's; one that does not is logged as a warning and listed in the committed row's
+    ``training_info["stale_components"]`` (``Run.save``'s guard against saving stale weights).
     """
 
     def __init__(
@@ -66,9 +74,10 @@ class CkptStoreWriter(StorageWriter):
         *,
         training_info: Mapping[str, Any] | None = None,
         metrics: Mapping[str, Any] | None = None,
-        trigger: str = Trigger.MANUAL,
+        trigger: str = "manual",
         kind: str = "state",
         writer_options: WriterOptions | None = None,
+        expect_changed: bool = False,
     ) -> None:
         super().__init__()
         self.run = target if isinstance(target, Run) else None
@@ -79,6 +88,7 @@ class CkptStoreWriter(StorageWriter):
         self.trigger = trigger
         self.kind = kind
         self.writer_options = writer_options
+        self.expect_changed = expect_changed
         self.committed: CheckpointInfo | None = None
         self.uploaded_bytes = 0
         self.is_coordinator = False
@@ -187,6 +197,7 @@ class CkptStoreWriter(StorageWriter):
             training_info=self.training_info,
             metrics=self.metrics,
             trigger=self.trigger,
+            expect_changed=[r.component for r in receipts] if self.expect_changed else (),
         )
         self.committed = handle.wait()
 
@@ -219,9 +230,9 @@ def _plain_text(data: Any, fqn: str) -> str:
 
 def _step_of(checkpoint_id: Any) -> int:
     try:
-        return check_step(int(str(checkpoint_id)))
+        return parse_step_id(checkpoint_id)
     except (ValueError, CkptStoreError):
         raise ConfigError(
             f"checkpoint_id={checkpoint_id!r}: with ckptstore the checkpoint id is the step to "
-            "save or load (an integer >= 0)"
+            "save or load (an integer >= 0, or a path ending in step-N such as 'ckpt/step-30')"
         ) from None

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
-from ckptstore.integrations._names import MEGATRON_META
-from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
-from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
+from ckptstore.floor import torch_dtype, torch_dtype_name
+from ckptstore.integrations._common.names import MEGATRON_META
+from ckptstore.integrations._common.tiling import WRONG_METADATA, check_shape, check_tiling
 
 #: The component of rank ``r`` is ``SHARD_PREFIX + str(r)``.
 SHARD_PREFIX = "megatron/rank"
@@ -245,3 +245,14 @@ def fill_box(
             f"elements at offset {list(box[0])} shape {list(box[1])} (overlapping or missing "
             "shards); this checkpoint cannot be loaded at this split"
         )
+
+
+def meta_state(layout: Layout, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """The ``megatron/meta`` component: metadata.json's content, the layout, the world size."""
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "metadata": config,
+        "world_size": world_size,
+        "layout": layout.to_json(),
+    }

@@ -3,7 +3,7 @@
 DCP's own ``FileSystemWriter`` pickles ``Metadata`` (every rank unpickles it on load). Here it
 is a JSON document stored as one value of the checkpoint's ``dcp/metadata`` component, and
 decoding it builds only DCP's plain dataclasses, validating every field first -- each tensor's
-chunks must tile it exactly (:mod:`ckptstore.integrations.tiling`) before torch sees a size.
+chunks must tile it exactly (:mod:`ckptstore.integrations._common.tiling`) before torch sees a size.
 
 The document also says where each written item lives: the rank whose component holds it and
 its position in that component's item list, and each rank component's index digest -- so a
@@ -12,7 +12,10 @@ worker with nothing but object-store access can load from the metadata's digest 
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +30,6 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptstore.cas.digest import check_digest
 from ckptstore.errors import (
     CkptStoreError,
     IntegrityError,
@@ -35,9 +37,9 @@ from ckptstore.errors import (
     SerializationError,
     UnreadableError,
 )
-from ckptstore.integrations._names import DCP_METADATA
-from ckptstore.integrations.tiling import WRONG_METADATA, check_shape, check_tiling
-from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
+from ckptstore.floor import check_digest, torch_dtype, torch_dtype_name
+from ckptstore.integrations._common.names import DCP_METADATA
+from ckptstore.integrations._common.tiling import WRONG_METADATA, check_shape, check_tiling
 
 FORMAT = "ckptstore/dcp-metadata"
 VERSION = 1
@@ -73,6 +75,13 @@ def encode_metadata(
     metadata: Metadata, locations: dict[MetadataIndex, Location], rank_indexes: dict[int, str]
 ) -> str:
     """The JSON document for ``metadata`` with the items' ``locations``."""
+    with _collector_paused():
+        return _encode(metadata, locations, rank_indexes)
+
+
+def _encode(
+    metadata: Metadata, locations: dict[MetadataIndex, Location], rank_indexes: dict[int, str]
+) -> str:
     tensors: dict[str, Any] = {}
     values: list[str] = []
     for fqn, md in metadata.state_dict_metadata.items():
@@ -113,6 +122,27 @@ def encode_metadata(
 
 
 def decode_metadata(text: str, where: str) -> StoredMetadata:
+    """See :func:`_decode` (with the cyclic garbage collector paused: :func:`_collector_paused`)."""
+    with _collector_paused():
+        return _decode(text, where)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector paused while a document is built or parsed: it becomes
+    a few objects per chunk and none of them form cycles, but every 700 allocations wake the
+    collector, which walks everything still young. With it running, parsing took 10x longer
+    at 20,000 chunks (``bench/bench_scale.py``)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _decode(text: str, where: str) -> StoredMetadata:
     """Parse and validate a metadata document: ``MalformedMetadataError`` (an IntegrityError
     and a SerializationError) names what is malformed, ``IntegrityError`` a tensor whose
     chunks do not tile it or whose shape no tensor has (or a document nested deeper than any

@@ -1,0 +1,111 @@
+"""The public surface integrations and the trainer build on; stable across releases.
+
+Everything an integration (``ckptstore.integrations.*``) needs from ckptstore comes from here,
+from :mod:`ckptstore.errors` or from the package's top level -- never from the layers below
+(``tests/test_architecture.py`` enforces it). What it offers, by the job it does:
+
+- **Save** (DESIGN.md §7): workers store their shards with a :class:`ShardWriter` and hand back
+  a :class:`ShardReceipt` (small; :func:`receipt_to_json` / :func:`receipt_from_json` carry it
+  across processes without pickle); the coordinator commits them with
+  ``Run.save(step, components, receipts=...)``. :class:`HostBuffers` are reusable host copies
+  for an integration that snapshots state itself; :func:`check_savable` says early whether a
+  state can be stored at all.
+- **Find**: ``Run.latest(before_step=...)``, ``Run.checkpoint(step)`` and ``Run.load`` return
+  :class:`CheckpointInfo` records (with their :class:`ComponentInfo`); no integration queries
+  the manifest itself.
+- **Read**: a :class:`ComponentReader` per stored component (its index, any entries, a
+  subtree), and a :class:`BlobCache` that a batch of byte-range reads shares (each blob fetched
+  and verified once). :class:`Entry` is what an index lists; :func:`torch_dtype` /
+  :func:`torch_dtype_name` translate its dtype names, :data:`MAX_DIMS` bounds its shapes and
+  :func:`check_digest` checks a digest read from a document; :func:`check_step` a step, and
+  :func:`parse_step_id` reads one from a framework's checkpoint id (``30``, ``".../step-30"``).
+- **Damage**: :func:`mark_corrupt` does what a load does with a checkpoint that fails
+  verification; :class:`MissingBlobError` is the ``IntegrityError`` of a blob that is gone.
+- **Where**: :func:`open_store` and :class:`ObjectStore`; :class:`WriterOptions` tune uploads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptstore.cas.blobs import BlobRef, MissingBlobError
+from ckptstore.cas.digest import check_digest
+from ckptstore.cas.header import Kind
+from ckptstore.cas.writer import WriterOptions
+from ckptstore.checkpointer.restore import mark_corrupt
+from ckptstore.checkpointer.run import Run
+from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
+from ckptstore.checkpointer.snapshot import HostBuffers
+from ckptstore.manifest.records import CheckpointInfo, ComponentInfo
+from ckptstore.names import check_step, parse_step_id
+from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
+from ckptstore.serialize.index import MAX_DIMS, Entry
+from ckptstore.serialize.reader import BlobCache, ComponentReader
+from ckptstore.serialize.save import ComponentResult, flatten_state
+
+__all__ = [
+    "MAX_DIMS",
+    "BlobCache",
+    "CheckpointInfo",
+    "ComponentInfo",
+    "ComponentReader",
+    "Entry",
+    "HostBuffers",
+    "MissingBlobError",
+    "ObjectStore",
+    "Run",
+    "ShardReceipt",
+    "ShardWriter",
+    "WriterOptions",
+    "check_digest",
+    "check_savable",
+    "check_step",
+    "parse_step_id",
+    "mark_corrupt",
+    "open_store",
+    "receipt_from_json",
+    "receipt_to_json",
+    "torch_dtype",
+    "torch_dtype_name",
+]
+
+
+def check_savable(state: Any) -> None:
+    """Raise ``SerializationError`` naming the path of the first value in ``state`` that
+    ckptstore cannot store (before anything is uploaded); nothing is copied."""
+    flatten_state(state)
+
+
+def receipt_to_json(receipt: ShardReceipt) -> dict[str, Any]:
+    """A receipt as plain JSON (to hand it to the committing process without pickle)."""
+    result = receipt.result
+    return {
+        "component": receipt.component,
+        "kind": receipt.kind,
+        "started_at": receipt.started_at,
+        "blocked_seconds": receipt.blocked_seconds,
+        "upload_seconds": receipt.upload_seconds,
+        "index_digest": result.index_digest,
+        "entries": result.entries,
+        "logical_bytes": result.logical_bytes,
+        "blobs": [
+            [b.digest, int(b.kind), b.codec, b.logical_bytes, b.stored_bytes, b.uploaded]
+            for b in result.blobs
+        ],
+    }
+
+
+def receipt_from_json(doc: dict[str, Any]) -> ShardReceipt:
+    """The receipt :func:`receipt_to_json` wrote (JSON the same job produced: the commit checks
+    every blob it names against the store again)."""
+    blobs = tuple(BlobRef(d, Kind(k), c, lb, sb, up) for d, k, c, lb, sb, up in doc["blobs"])
+    result = ComponentResult(doc["index_digest"], doc["entries"], doc["logical_bytes"], blobs)
+    return ShardReceipt(
+        doc["component"],
+        result,
+        doc["kind"],
+        doc["started_at"],
+        doc["blocked_seconds"],
+        doc["upload_seconds"],
+    )

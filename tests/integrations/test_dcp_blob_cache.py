@@ -1,0 +1,85 @@
+"""A DCP load reads through the one shared blob cache (``ckptstore.floor.BlobCache``): every
+object it needs is fetched once, however many stored items or boxes share it -- a pack of small
+tensors, one chunk that two identical tensors deduplicate to -- and nothing else is fetched."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.checkpointer import Run
+from ckptstore.integrations import dcp as ckpt_dcp
+from ckptstore.objectstore import LocalStore
+from ckptstore.objectstore.base import ObjectReader
+
+
+class CountingStore(LocalStore):
+    """A real local store that counts the reads of each key."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, fsync=False)
+        self.reads: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def _count(self, key: str) -> None:
+        with self._lock:
+            self.reads[key] += 1
+
+    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
+        self._count(key)
+        return super().get(key, byte_range)
+
+    def get_view(self, key: str) -> memoryview:
+        self._count(key)
+        return super().get_view(key)
+
+    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
+        self._count(key)
+        return super().open_reader(key)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[tuple[Run, CountingStore]]:
+    store = CountingStore(tmp_path / "store")
+    with ckptstore.open_run("cache", db=tmp_path / "m.db", store=store) as opened:
+        yield opened, store
+
+
+def state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(7)
+    big = torch.randn(512, 1024, generator=gen)  # 2 MiB: a chunk of its own
+    small = {f"s{i}": torch.randn(4, 4, generator=gen) for i in range(20)}  # one pack
+    return {"big": big, "twin": big.clone(), "small": small, "lr": 0.5}
+
+
+def zeros_like(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: zeros_like(v) for k, v in tree.items()}
+    return torch.zeros_like(tree) if isinstance(tree, torch.Tensor) else None
+
+
+def test_a_load_fetches_every_blob_it_needs_once(run: tuple[Run, CountingStore]) -> None:
+    opened, store = run
+    saved = state()
+    info = ckpt_dcp.save(saved, opened, 1)
+    assert isinstance(info, ckptstore.CheckpointInfo)
+    store.reads.clear()
+    target = zeros_like(saved)
+    ckpt_dcp.load(target, opened, 1)
+    for key in ("big", "twin"):
+        assert torch.equal(target[key], saved[key])
+    for name, tensor in saved["small"].items():
+        assert torch.equal(target["small"][name], tensor)
+    assert target["lr"] == 0.5
+    assert store.reads, "the load read nothing"
+    assert max(store.reads.values()) == 1, store.reads
+    # "big" and "twin" are one chunk; the 20 small tensors one pack: few objects in all.
+    assert len(store.reads) <= 8, store.reads
