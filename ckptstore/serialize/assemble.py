@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +23,7 @@ import torch
 
 from ckptstore.cas.blobs import get_blob, read_into
 from ckptstore.cas.header import Kind
-from ckptstore.errors import IntegrityError, UnreadableError
+from ckptstore.errors import ConfigError, IntegrityError, UnreadableError
 from ckptstore.objectstore.base import ObjectStore, uninitialized
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry
@@ -56,11 +56,17 @@ class _Target:
 
 
 class _Assembler:
-    """Collects entry buffers while blobs arrive."""
+    """Collects entry buffers while blobs arrive; an entry with a target tensor (``into``)
+    is read straight into it when the tensor's memory allows (a contiguous CPU tensor), else
+    into a buffer copied into it at the end."""
 
-    def __init__(self, entries: list[Entry]) -> None:
+    def __init__(self, entries: list[Entry], targets: dict[int, torch.Tensor]) -> None:
         self.entries = entries
         self.buffers: list[Any] = [None] * len(entries)
+        self.targets = targets
+        for n, target in targets.items():
+            if _direct(target):
+                self.buffers[n] = _bytes_of(target)
         self._lock = threading.Lock()
 
     def destination(self, t: _Target, where: str) -> memoryview:
@@ -84,13 +90,54 @@ class _Assembler:
         for t in targets:
             entry = self.entries[t.entry]
             whole = t.offset == 0 and t.length == raw.nbytes == entry.nbytes
-            if whole and not raw.readonly and not handed_over:
+            mine = t.entry not in self.targets  # a caller's tensor is filled, never replaced
+            if whole and mine and not raw.readonly and not handed_over:
                 # The blob's buffer becomes the tensor's memory: no copy. Only once, so two
                 # equal tensors never share memory.
                 self.buffers[t.entry] = raw
                 handed_over = True
                 continue
             self.destination(t, where)[:] = raw[t.offset : t.offset + t.length]
+
+
+def _direct(tensor: torch.Tensor) -> bool:
+    """Whether a load can write ``tensor``'s memory byte for byte: a dense CPU tensor."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+        and tensor.numel() > 0
+    )
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """``tensor``'s memory as writable bytes (no copy; autograd is not involved)."""
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _targets(
+    chosen: list[Entry], into: Mapping[str, torch.Tensor] | None, where: str
+) -> dict[int, torch.Tensor]:
+    """The position (in ``chosen``) of each tensor entry ``into`` has a tensor for, checked:
+    a dtype or shape that differs from the stored one is refused before anything is read."""
+    if not into:
+        return {}
+    found: dict[int, torch.Tensor] = {}
+    for n, entry in enumerate(chosen):
+        target = into.get(entry.path)
+        if target is None or entry.kind != "tensor":
+            continue
+        dtype = torch_dtype(entry.dtype, where)
+        if target.dtype != dtype or tuple(target.shape) != tuple(entry.shape):
+            raise ConfigError(
+                f"{where}: cannot load entry {entry.path!r} into the given tensor: stored "
+                f"{entry.dtype} {list(entry.shape)}, given "
+                f"{str(target.dtype).removeprefix('torch.')} {list(target.shape)}; pass a "
+                "tensor of the stored dtype and shape (or leave it out of into= to get a new one)"
+            )
+        found[n] = target
+    return found
 
 
 def _allocate(nbytes: int, where: str) -> memoryview:
@@ -149,11 +196,18 @@ def load_entries(
     *,
     context: str = "",
     max_workers: int = 0,
+    into: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[int, Any]:
-    """Load the given entries (by position in ``index.entries``); returns position -> value."""
+    """Load the given entries (by position in ``index.entries``); returns position -> value.
+
+    ``into`` maps entry paths to existing tensors of the stored dtype and shape: those entries
+    are loaded into them (a dense CPU tensor is written in place as its blobs arrive, any
+    other is copied into at the end) and their values are those same tensors. If this raises,
+    such tensors may hold unverified bytes."""
     wanted = sorted(set(entries))
     chosen = [index.entries[i] for i in wanted]
-    assembler = _Assembler(chosen)
+    where = f"component {context}" if context else "component"
+    assembler = _Assembler(chosen, _targets(chosen, into, where))
     by_blob: dict[str, list[_Target]] = {}
     for n, entry in enumerate(chosen):
         dest = 0
@@ -186,8 +240,18 @@ def load_entries(
     with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:
         for future in [pool.submit(fetch, d) for d in by_blob]:
             future.result()
-    where = f"component {context}" if context else "component"
     return {
-        i: _materialize(entry, assembler.buffers[n], where)
+        i: _result(assembler, n, entry, where)
         for n, (i, entry) in enumerate(zip(wanted, chosen, strict=True))
     }
+
+
+def _result(assembler: _Assembler, n: int, entry: Entry, where: str) -> Any:
+    """Entry ``n``'s value: its target tensor (filled) if it has one, else a new value."""
+    target = assembler.targets.get(n)
+    if target is None:
+        return _materialize(entry, assembler.buffers[n], where)
+    if not _direct(target):
+        with torch.no_grad():
+            target.copy_(_materialize(entry, assembler.buffers[n], where))
+    return target

@@ -31,8 +31,6 @@ from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype_name
 
 #: Deeper structures are refused (and Python's recursion limit stays far away).
 MAX_DEPTH = 100
-#: Kinds of entries: array-like ones own bytes in blobs; the rest are JSON values.
-ARRAY_KINDS = frozenset({"tensor", "ndarray", "npscalar", "bytes", "bytearray"})
 
 
 def _tensordict_types() -> tuple[type, ...]:
@@ -160,6 +158,14 @@ class Flattener:
         self._paths.add(leaf.path)
         self.leaves.append(leaf)
         return {"e": len(self.leaves) - 1}
+
+
+def tensor_paths(state: Any) -> dict[str, torch.Tensor]:
+    """Each tensor of ``state`` by the path a save of ``state`` gives its entry (the targets of
+    a load ``into`` existing tensors); nothing is copied."""
+    flattener = Flattener(lambda tensor, path: Leaf(path, "tensor", owner=tensor))
+    flattener.flatten(state)
+    return {leaf.path: leaf.owner for leaf in flattener.leaves if leaf.kind == "tensor"}
 
 
 def _numpy_leaf(value: np.ndarray | np.generic, path: str, *, copy: bool) -> Leaf:
