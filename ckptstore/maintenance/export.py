@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import ConfigError, SerializationError
+from ckptstore.maintenance.safetensors_writer import save_tensors
 from ckptstore.names import printable
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def export_component(
     reader = ComponentReader(store, index_digest, context=context)
     for entry in reader.entries:
         _check_tensor_name(entry.path)
-    _make_parent(path, context)
+    make_dir(path.parent, context)
     if fmt == "torch":
         return _write_file(path, fmt, reader.load(), {}, context)
     tensors: dict[str, torch.Tensor] = {}
@@ -115,17 +116,17 @@ def export_tensors(
     for name, tensor in tensors:
         _check_tensor_name(name)
         collected[name] = tensor.contiguous()
-    _make_parent(path, context)
+    make_dir(path.parent, context)
     return _write_file(path, fmt, collected, {}, context)
 
 
-def _make_parent(path: Path, context: str) -> None:
+def make_dir(directory: Path, context: str) -> None:
+    """Make ``directory`` and its parents; a ConfigError names it if that fails."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # e.g. a file where a component needs a directory
         raise ConfigError(
-            f"{context}: cannot make the directory '{printable(path.parent)}': "
-            f"{exc.strerror or exc}"
+            f"{context}: cannot make the directory '{printable(directory)}': {exc.strerror or exc}"
         ) from exc
 
 
@@ -134,22 +135,10 @@ def _write_file(path: Path, fmt: str, payload: Any, metadata: dict[str, Any], co
     state) to a temporary name, then rename it into place."""
     import torch
 
+    if fmt == "safetensors":
+        values = {"ckptstore.values": json.dumps(metadata, allow_nan=True)}
+        return save_tensors(path, payload, values, context=context)
     tmp = path.with_name(f".{path.name}.partial")
-    if fmt == "torch":
-        torch.save(payload, tmp)
-    else:
-        from safetensors.torch import save_file
-
-        try:
-            save_file(
-                payload,
-                str(tmp),
-                metadata={"ckptstore.values": json.dumps(metadata, allow_nan=True)},
-            )
-        except (ValueError, TypeError, RuntimeError) as exc:
-            tmp.unlink(missing_ok=True)
-            raise SerializationError(
-                f"{context}: safetensors cannot hold this component ({exc}); use --format torch"
-            ) from exc
+    torch.save(payload, tmp)
     tmp.replace(path)
     return path

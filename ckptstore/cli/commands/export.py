@@ -1,11 +1,12 @@
-"""``ckptstore export RUN@STEP DIR``: a checkpoint's components as safetensors or torch files."""
+"""``ckptstore export RUN@STEP DIR``: a checkpoint's components as safetensors or torch files,
+or a DCP/Megatron checkpoint consolidated into one file or Hugging Face shards (``--hf``)."""
 
 from __future__ import annotations
 
 import argparse
-import warnings
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ckptstore.cli.args import parse_target
 from ckptstore.cli.context import CliContext
@@ -13,12 +14,22 @@ from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import emit, progress, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import ConfigError
+from ckptstore.integrations.formats import DCP, MEGATRON, format_of
 from ckptstore.maintenance import export_component
 from ckptstore.maintenance.export import FORMATS, check_output_dir, export_tensors, safe_path
-from ckptstore.manifest import reads
+from ckptstore.maintenance.hfexport import (
+    DEFAULT_SHARD_SIZE,
+    DTYPE_NAMES,
+    EXAMPLE_MAP,
+    MapFunction,
+    load_map,
+    parse_size,
+)
+from ckptstore.manifest import reading as reads
 from ckptstore.names import printable
 
 if TYPE_CHECKING:
+    from ckptstore.maintenance.export_sources import SourceTensor
     from ckptstore.manifest.records import CheckpointInfo
     from ckptstore.objectstore import ObjectStore
 
@@ -26,14 +37,17 @@ if TYPE_CHECKING:
 def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
-    """``export RUN@STEP DIR [--format safetensors|torch]``."""
+    """``export RUN@STEP DIR [--format safetensors|torch] [--hf ...]``."""
     parser = sub.add_parser(
         "export",
         parents=parents,
         description=(
             "Write each component of RUN@STEP as a file under DIR. A checkpoint saved through "
             "torch DCP or Megatron-Core from several ranks is consolidated instead: its whole "
-            "tensors, under their state-dict names, in DIR/consolidated.safetensors (or .pt)."
+            "tensors, under their state-dict names, in DIR/consolidated.safetensors (or .pt), "
+            "or with --hf as Hugging Face shards (model-0000k-of-0000N.safetensors and "
+            "model.safetensors.index.json). Safetensors files are written one tensor at a "
+            "time: memory holds about the largest tensor, not the model."
         ),
     )
     parser.add_argument("target", metavar="RUN@STEP")
@@ -48,39 +62,84 @@ def register(
             "that model.load_state_dict and Hugging Face loaders accept)"
         ),
     )
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="consolidated checkpoints only: Hugging Face safetensors shards and their index",
+    )
+    parser.add_argument(
+        "--shard-size",
+        metavar="SIZE",
+        help="with --hf: the most bytes per shard (default 5GB; 500MB, 2GiB, or bytes)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        help="consolidated safetensors only: convert floating-point tensors to this dtype",
+    )
+    parser.add_argument(
+        "--map",
+        metavar="MODULE:FUNCTION",
+        help=(
+            "consolidated safetensors only: rename (or split, or leave out) tensors with "
+            f"FUNCTION(name, tensor), e.g. {EXAMPLE_MAP} (Megatron-Core GPT -> GPT-NeoX)"
+        ),
+    )
     return parser
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    """Write one file per component under DIR; print their paths."""
+    """Write one file per component under DIR (or the consolidated file(s)); print their paths."""
     name, step = parse_target(args.target)
     if step is None:
         raise ConfigError("export needs RUN@STEP (use `ckptstore latest RUN` for the step)")
+    shard_size, mapping = check_consolidation_options(args)
     # Checked before anything is opened; the directory is made only for a checkpoint that exists.
     out = check_output_dir(args.directory)
     info = reads.checkpoint_or_latest(ctx.db, name, step)
+    sources = consolidated_sources(ctx.store, info)
+    if sources is None:
+        used = [o for o in ("prefix", "hf", "shard_size", "dtype", "map") if getattr(args, o)]
+        if used:
+            raise ConfigError(
+                f"--{used[0].replace('_', '-')} applies to checkpoints saved through torch DCP "
+                f"or Megatron-Core; {quoted(name)} step {info.step} holds plain components "
+                "(one file each)"
+            )
+        return export_components(args, ctx, info, out)
+    if args.prefix is not None:
+        from ckptstore.maintenance.export_sources import with_prefix
+
+        sources = with_prefix(sources, args.prefix)
+    context = f"run {quoted(name)}, step {info.step}"
+    written = export_consolidated(args, ctx, sources, out, context, shard_size, mapping)
+    emit(args, {"files": written}, text="\n".join(map(printable, written)))
+    return EXIT_OK
+
+
+def check_consolidation_options(args: argparse.Namespace) -> tuple[int, MapFunction | None]:
+    """The shard size and map function the options ask for, checked before anything is
+    opened (the map's module is imported now, so a typo fails first)."""
+    if args.format == "torch" and (args.hf or args.dtype or args.map):
+        option = "--hf" if args.hf else "--dtype" if args.dtype else "--map"
+        raise ConfigError(f"{option} writes safetensors; leave out --format torch")
+    if args.shard_size is not None and not args.hf:
+        raise ConfigError("--shard-size applies to --hf exports; add --hf")
+    shard_size = DEFAULT_SHARD_SIZE if args.shard_size is None else parse_size(args.shard_size)
+    return shard_size, None if args.map is None else load_map(args.map)
+
+
+def export_components(
+    args: argparse.Namespace, ctx: CliContext, info: CheckpointInfo, out: Path
+) -> int:
+    """One file per component of a plain checkpoint."""
     suffix = ".safetensors" if args.format == "safetensors" else ".pt"
-    consolidated = consolidated_tensors(ctx.store, info)
-    if consolidated is None and args.prefix is not None:
-        raise ConfigError(
-            "--prefix applies to checkpoints saved through torch DCP or Megatron-Core; "
-            f"{quoted(name)} step {info.step} holds plain components (one file each)"
-        )
-    if consolidated is not None:
-        if args.prefix is not None:
-            consolidated = strip_prefix(consolidated, args.prefix)
-        # A multi-rank checkpoint (torch DCP, Megatron): its shards put together, one file.
-        path = out / f"consolidated{suffix}"
-        context = f"run {quoted(name)}, step {step}"
-        exported = export_tensors(consolidated, path, args.format, context=context)
-        emit(args, {"files": [str(exported)]}, text=printable(str(exported)))
-        return EXIT_OK
     # Every name is checked before the first file is written.
     targets = [(c, safe_path(out, c.name, suffix)) for c in info.components]
     written: list[str] = []
     with progress(len(targets), "export", "component", not args.json) as bar:
         for comp, path in targets:
-            context = f"run {quoted(name)}, step {step}, component {quoted(comp.name)}"
+            context = f"run {quoted(info.run)}, step {info.step}, component {quoted(comp.name)}"
             exported = export_component(
                 ctx.store, comp.index_digest, path, args.format, context=context
             )
@@ -90,33 +149,58 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     return EXIT_OK
 
 
-def consolidated_tensors(
-    store: ObjectStore, info: CheckpointInfo
-) -> Iterator[tuple[str, Any]] | None:
+def export_consolidated(
+    args: argparse.Namespace,
+    ctx: CliContext,
+    sources: list[SourceTensor],
+    out: Path,
+    context: str,
+    shard_size: int,
+    mapping: MapFunction | None,
+) -> list[str]:
+    """A multi-rank checkpoint's whole tensors: HF shards, one safetensors file (both written
+    tensor by tensor), or one torch file."""
+    from ckptstore.maintenance import hfexport
+    from ckptstore.maintenance.export_sources import iter_assembled
+
+    if args.format == "torch":
+        tensors = iter_assembled(ctx.store, sources, context)
+        return [str(export_tensors(tensors, out / "consolidated.pt", "torch", context=context))]
+    dtype = hfexport.target_dtype(args.dtype)
+    with progress(len(sources), "export", "tensor", not args.json) as bar:
+        if args.hf:
+            files = hfexport.export_hf(
+                ctx.store,
+                sources,
+                out,
+                shard_size=shard_size,
+                dtype=dtype,
+                mapping=mapping,
+                context=context,
+                progress=bar.update,
+            )
+            return [str(f) for f in files]
+        path = hfexport.export_single(
+            ctx.store,
+            sources,
+            out / "consolidated.safetensors",
+            dtype=dtype,
+            mapping=mapping,
+            context=context,
+            progress=bar.update,
+        )
+        return [str(path)]
+
+
+def consolidated_sources(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor] | None:
     """The whole tensors of a multi-rank checkpoint (DCP or Megatron), None for any other."""
-    names = {c.name for c in info.components}
-    if "dcp/metadata" in names:
-        from ckptstore.integrations import dcp
+    found = format_of(info)
+    if found is DCP:
+        from ckptstore.maintenance.export_sources import dcp_sources
 
-        return dcp.iter_full_tensors(store, info)
-    if "megatron/meta" in names:
-        with warnings.catch_warnings():
-            # Megatron announces at import that Apex and Transformer Engine are missing:
-            # nothing an export uses.
-            warnings.filterwarnings("ignore", "Transformer Engine and Apex", UserWarning)
-            from ckptstore.integrations import megatron
+        return dcp_sources(store, info)
+    if found is MEGATRON:
+        from ckptstore.maintenance.export_sources import megatron_sources
 
-        return megatron.iter_full_tensors(store, info)
+        return megatron_sources(store, info)
     return None
-
-
-def strip_prefix(tensors: Iterator[tuple[str, Any]], key: str) -> Iterator[tuple[str, Any]]:
-    """Only the tensors under ``key.``, renamed without it; none at all is an error."""
-    head = key.rstrip(".") + "."
-    found = False
-    for name, tensor in tensors:
-        if name.startswith(head):
-            found = True
-            yield name[len(head) :], tensor
-    if not found:
-        raise ConfigError(f"no tensor is named {head}<name> in this checkpoint; check --prefix")
