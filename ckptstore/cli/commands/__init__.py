@@ -7,8 +7,8 @@ A command module holds its whole command (see :class:`~ckptstore.cli.protocol.Co
   and returns it;
 - ``run(args, ctx) -> int``: does the work and returns the exit code. It takes the database and
   store from ``ctx`` (:class:`~ckptstore.cli.context.CliContext` opens them on first use and
-  closes them afterwards), reads through :mod:`ckptstore.manifest.reads` and
-  :mod:`ckptstore.manifest.reports` (no SQL here), and prints through
+  closes them afterwards), reads through :mod:`ckptstore.manifest.reading` and
+  :mod:`ckptstore.manifest.reporting` (no SQL here), and prints through
   :func:`~ckptstore.cli.output.emit`. Errors are raised, never printed: ``main`` turns a
   :class:`~ckptstore.errors.ConfigError` into exit 2 and any other
   :class:`~ckptstore.errors.CkptStoreError` into exit 3.
@@ -23,6 +23,7 @@ Adding a command is a new module and one line in :data:`COMMANDS`.
 from __future__ import annotations
 
 import importlib
+import keyword
 from typing import cast
 
 from ckptstore.cli.protocol import Command
@@ -38,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "gc": "delete blobs no committed checkpoint needs (mark and sweep)",
     "sql": "run one read-only SQL query over the manifest",
     "export": "write a checkpoint's components as files",
+    "import": "store a torch DCP directory or safetensors as RUN@STEP",
     "du": "logical vs stored bytes per run, dedup and compression",
     "plot": "plot a metric against step with checkpoint markers",
     "serve": "a read-only web view of runs and checkpoints, with a JSON API",
@@ -46,4 +48,5 @@ COMMANDS: dict[str, str] = {
 
 def load(name: str) -> Command:
     """The module of the command ``name`` (one of :data:`COMMANDS`), imported now."""
-    return cast(Command, importlib.import_module(f"{__name__}.{name}"))
+    module = f"{name}_" if keyword.iskeyword(name) else name  # import_.py holds "import"
+    return cast(Command, importlib.import_module(f"{__name__}.{module}"))

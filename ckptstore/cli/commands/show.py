@@ -11,7 +11,8 @@ from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import Column, cell, emit, human_bytes, render, table
 from ckptstore.cli.protocol import Subparsers
-from ckptstore.manifest import reads
+from ckptstore.integrations.formats import format_of
+from ckptstore.manifest import reading as reads
 from ckptstore.manifest.records import CheckpointInfo, as_dict, field_names
 from ckptstore.names import printable
 
@@ -26,6 +27,8 @@ COMPONENT_COLUMNS = (
     Column("stored", "stored_bytes", human_bytes),
     Column("index", "index_digest"),
 )
+#: The components a state-dict listing replaces (their entries are numbered items).
+_HELD = {"torch DCP": {"dcp/"}, "Megatron-Core": {"megatron/meta", "megatron/rank"}}
 #: Fields the text shows in a line of their own (bytes, timing) or as a table (components);
 #: every other field of the record is a "name: value" line, so a new one is shown too.
 _SUMMARISED = {
@@ -51,21 +54,35 @@ def register(
 
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
-    """Show the checkpoint (RUN: the newest committed one); JSON has every field."""
+    """Show the checkpoint (RUN: the newest committed one); JSON has every field. With
+    ``--entries``, a DCP or Megatron checkpoint's state dict is listed by name
+    (``state_dict``) instead of its rank components' numbered items."""
     name, step = parse_target(args.target)
     info = reads.checkpoint_or_latest(ctx.db, name, step)
-    entries = _entries(ctx.store, info) if args.entries else {}
-    payload = as_dict(info) | ({"entries": entries} if args.entries else {})
-    emit(args, payload, text=_text(info, entries))
+    payload = as_dict(info)
+    entries: dict[str, list[dict[str, Any]]] = {}
+    named: tuple[str, list[dict[str, Any]]] | None = None
+    if args.entries:
+        named = _state_dict(ctx.store, info)
+        entries = _entries(ctx.store, info, skip=set() if named is None else _HELD[named[0]])
+        payload["entries"] = entries
+        if named is not None:
+            payload["state_dict"] = {"format": named[0], "items": named[1]}
+    emit(args, payload, text=_text(info, entries, named))
     return EXIT_OK
 
 
-def _entries(store: ObjectStore, info: CheckpointInfo) -> dict[str, list[dict[str, Any]]]:
-    """Component name -> its entries, from each component's index."""
+def _entries(
+    store: ObjectStore, info: CheckpointInfo, skip: set[str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Component name -> its entries, from each component's index (but those whose names
+    start with one of ``skip``: rank components listed by state-dict name instead)."""
     from ckptstore.serialize.reader import ComponentReader  # torch: only for --entries
 
     found = {}
     for comp in info.components:
+        if any(comp.name.startswith(prefix) for prefix in skip):
+            continue
         found[comp.name] = [
             {
                 "path": e.path,
@@ -80,7 +97,20 @@ def _entries(store: ObjectStore, info: CheckpointInfo) -> dict[str, list[dict[st
     return found
 
 
-def _text(info: CheckpointInfo, entries: dict[str, list[dict[str, Any]]]) -> str:
+def _state_dict(
+    store: ObjectStore, info: CheckpointInfo
+) -> tuple[str, list[dict[str, Any]]] | None:
+    """A DCP or Megatron checkpoint's state dict by name: each tensor's global dtype and shape
+    and the ranks whose components hold its data (each value's ranks); None for others."""
+    found = format_of(info)
+    return None if found is None else (found.title, found.items(store, info))
+
+
+def _text(
+    info: CheckpointInfo,
+    entries: dict[str, list[dict[str, Any]]],
+    named: tuple[str, list[dict[str, Any]]] | None = None,
+) -> str:
     lines = [
         f"{name:>14}: {cell(getattr(info, name))}"
         for name in field_names(CheckpointInfo)
@@ -101,6 +131,24 @@ def _text(info: CheckpointInfo, entries: dict[str, list[dict[str, Any]]]) -> str
             table(
                 ["path", "kind", "dtype", "shape", "bytes"],
                 [(e["path"], e["kind"], e["dtype"] or "-", e["shape"], e["nbytes"]) for e in items],
+            )
+        )
+    if named is not None:
+        fmt, items = named
+        lines += [f"\nstate dict ({fmt}):"]
+        lines.append(
+            table(
+                ["name", "kind", "dtype", "shape", "ranks"],
+                [
+                    (
+                        e["name"],
+                        e["kind"],
+                        e["dtype"] or "-",
+                        "-" if e["shape"] is None else e["shape"],
+                        ",".join(map(str, e["ranks"])),
+                    )
+                    for e in items
+                ],
             )
         )
     return "\n".join(lines)

@@ -1,0 +1,78 @@
+"""``ckptstore import SRC RUN@STEP``: a torch DCP directory or Hugging Face safetensors as a
+checkpoint of the store (the command is ``import``; ``import`` is a Python keyword)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from ckptstore.cli.args import parse_target
+from ckptstore.cli.context import CliContext
+from ckptstore.cli.exits import EXIT_OK
+from ckptstore.cli.output import emit, human_bytes, quoted
+from ckptstore.cli.protocol import Subparsers
+from ckptstore.errors import ConfigError
+from ckptstore.names import printable
+
+
+def register(
+    sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
+) -> argparse.ArgumentParser:
+    """``import SRC RUN@STEP [--prefix KEY]``."""
+    parser = sub.add_parser(
+        "import",
+        parents=parents,
+        description=(
+            "Store the checkpoint at SRC as step STEP of run RUN (created if new; opening it "
+            "as its writer fences any other writer of RUN). SRC is a torch DCP directory "
+            "written by FileSystemWriter (it holds .metadata and *.distcp), a .safetensors "
+            "file, or a directory of safetensors (model.safetensors.index.json and its "
+            "shards, or one file). The result is a DCP checkpoint: load it with "
+            "ckptstore.integrations.dcp.load, resharded to any world size, or start a run "
+            "from it with open_run(..., fork_from='RUN@STEP'). Nothing is unpickled: DCP's "
+            "pickles are read by an allowlist that admits DCP's metadata classes, dtypes and "
+            "plain values only; any other name in them is refused and nothing is stored."
+        ),
+    )
+    parser.add_argument("source", metavar="SRC")
+    parser.add_argument("target", metavar="RUN@STEP")
+    parser.add_argument(
+        "--prefix",
+        metavar="KEY",
+        help=(
+            "safetensors only: store each tensor as KEY.<name> (e.g. --prefix model, to load "
+            "with ckpt_dcp.load({'model': model.state_dict()}, run))"
+        ),
+    )
+    return parser
+
+
+def run(args: argparse.Namespace, ctx: CliContext) -> int:
+    """Import SRC; print what was stored."""
+    # Imported here: torch and the DCP wrappers are for this command only.
+    from ckptstore.checkpointer.open import open_run
+    from ckptstore.maintenance.importing import import_checkpoint
+
+    name, step = parse_target(args.target)
+    if step is None:
+        raise ConfigError("import needs RUN@STEP: the step to store the checkpoint as")
+    with open_run(name, db=ctx.db, store=ctx.store, writable=True, async_save=False) as opened:
+        report = import_checkpoint(args.source, opened, step, prefix=args.prefix)
+    info = report.checkpoint
+    payload = {
+        "source": report.source,
+        "format": report.format,
+        "run": info.run,
+        "step": info.step,
+        "tensors": report.tensors,
+        "values": report.values,
+        "logical_bytes": info.logical_bytes,
+        "stored_bytes": info.stored_bytes,
+    }
+    text = (
+        f"imported {printable(report.source)} ({report.format}) as {quoted(info.run)} step "
+        f"{info.step}: {report.tensors} tensors, {report.values} values, "
+        f"{human_bytes(info.logical_bytes)} logical, {human_bytes(info.stored_bytes)} stored"
+    )
+    emit(args, payload, text=text)
+    return EXIT_OK
