@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainerConfig, load_config
 from trainer.controller import Controller
+
+#: The checkout: ``trainer`` is imported from here, not from the installed package.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def checkout_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a trainer child process, with the checkout first on
+    PYTHONPATH (a script such as tests/trainer/kill_child.py does not put it on sys.path)."""
+    paths = [str(CHECKOUT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
 
 
 def small_overrides(root: Path, **extra: Any) -> list[str]:

@@ -8,7 +8,7 @@ save's step. The checkpoint is committed — one transaction over every receipt 
 upload has finished (deferred finalization: checked after each train step, forced at the next
 save and at exit). The manifest records the longest time any participant stopped training for
 the save (``blocked_seconds``; with ``async_save=false`` the wait for the uploads too) and the
-time from the first snapshot to the commit.
+time from the first snapshot to the commit. One start opens the database and the store once.
 """
 
 from __future__ import annotations
@@ -16,36 +16,43 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ckptstore import WriterOptions
-from ckptstore.checkpointer import (
+from ckptstore import (
     CheckpointInfo,
+    CheckpointNotFoundError,
     LoadedCheckpoint,
+    ObjectStore,
     RetentionPolicy,
     Run,
     SaveHandle,
     ShardReceipt,
     ShardSave,
     ShardWriter,
+    WriterOptions,
     open_run,
+    open_store,
     run_info,
 )
-from ckptstore.errors import CheckpointNotFoundError, ConfigError, ForeignDatabaseError
+from ckptstore.checkpointer.open import identity_changes
+from ckptstore.manifest import Database
+from ckptstore.settings import default_store
 from trainer.config import (
     TrainerConfig,
     architecture_changed,
-    changed_keys,
     fingerprint,
     model_config,
     parse_deadline,
     training_config,
 )
 from trainer.errors import ResumeError
+from trainer.policy import Policy
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
 RANKED_TRIGGERS = frozenset({"period"})
@@ -105,6 +112,8 @@ class TrainerCheckpointer:
         self.saved_steps: list[int] = []
         self.deadline_fired = False
         self._buffer_writer: ShardWriter | None = None
+        self._db: Database | None = None
+        self._store: ObjectStore | None = None
 
     # -- before anything is trained or stored ------------------------------------------------
 
@@ -115,10 +124,12 @@ class TrainerCheckpointer:
         existing = self._existing_config()
         if existing is None:
             return
-        old_model, new_model = model_config(existing), self.model_spec
-        if old_model == new_model:
+        # ckptstore's own rule (open() passes the model config as the run's identity), asked
+        # here before any warm-up or write, to decide the fork or refuse with our options.
+        new_model = self.model_spec
+        changed = identity_changes(existing, new_model)
+        if not changed:
             return
-        changed = changed_keys(old_model, new_model)
         name = self.ck.run_name
         if not self.ck.fork:
             raise ResumeError(
@@ -135,7 +146,7 @@ class TrainerCheckpointer:
                 "checkpointing.fork_init=fresh to start the fork from the warm-up model "
                 "(recorded in the run's config), or keep the architecture."
             )
-        with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
+        with self._open(name, writable=False) as parent:
             latest = parent.latest()
         if latest is None:
             raise ResumeError(f"cannot fork run {name!r}: it has no committed checkpoint")
@@ -153,17 +164,25 @@ class TrainerCheckpointer:
     def _existing_config(self) -> dict[str, Any] | None:
         db = self.ck.db
         if db is not None and "://" not in db and not Path(db).exists():
-            return None
-        try:
-            existing = run_info(self.ck.run_name, db=db)
-        except ForeignDatabaseError:
-            raise
-        except ConfigError:  # an empty database: nothing to compare with yet
-            return None
+            return None  # a new database: nothing to compare with (and nothing created yet)
+        existing = run_info(self.ck.run_name, db=self.locations()[0])
         return existing.config if existing is not None else None
 
+    def locations(self) -> tuple[Database, ObjectStore]:
+        """The manifest database and the object store, opened on first use and shared by every
+        run this start opens (:meth:`close` closes them)."""
+        if self._db is None:
+            self._db = Database(self.ck.db)
+        if self._store is None:
+            self._store = open_store(self.ck.store or default_store())
+        return self._db, self._store
+
+    def _open(self, name: str, **options: Any) -> Run:
+        db, store = self.locations()
+        return open_run(name, db=db, store=store, **options)
+
     def base_weights(
-        self, model: torch.nn.Module, warmup: Callable[[torch.nn.Module], list[float]]
+        self, model: Policy, warmup: Callable[[Policy], list[float]]
     ) -> dict[str, torch.Tensor]:
         """The warm-up model, stored once as run ``base-<hash>`` and shared by every GRPO run
         with the same task, architecture and warm-up (it is also the frozen reference)."""
@@ -171,9 +190,7 @@ class TrainerCheckpointer:
             warmup(model)
             return model.state_dict()
         spec = self.model_spec
-        with open_run(
-            self.base_name, db=self.ck.db, store=self.ck.store, config=spec, async_save=False
-        ) as base:
+        with self._open(self.base_name, config=spec, async_save=False) as base:
             if base.latest() is None:
                 losses = warmup(model)
                 base.save(
@@ -199,17 +216,15 @@ class TrainerCheckpointer:
         if self.fork_fresh:
             config["fork_init"] = "fresh"
         fork_from = self.fork_parent or (self.base_name, self.base_step)
-        self.run = open_run(
+        self.run = self._open(
             self.run_name,
-            db=ck.db,
-            store=ck.store,
             config=config,
             retention=self.retention(),
             async_save=ck.async_save,
             fork_from=fork_from,
-            # Runtime settings (steps, sampler, dataset, save policy) may change between the
-            # runs of one job; the model config was checked by plan().
-            allow_config_change=True,
+            # The model config identifies the run; runtime settings (steps, sampler, dataset,
+            # save policy) may change between the runs of one job and are recorded.
+            identity=self.model_spec,
         )
         # Replay-buffer groups: no packs, so an unchanged group stores the same blobs again.
         self._buffer_writer = ShardWriter(self.run.store, options=WriterOptions(pack_threshold=0))
@@ -233,15 +248,15 @@ class TrainerCheckpointer:
         if self.fork_parent is None or self._has_checkpoint(self.run_name):
             return None
         name, step = self.fork_parent
-        with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as parent:
+        with self._open(name, writable=False) as parent:
             return parent.load(step)  # the step the fork's lineage records
 
     def _has_checkpoint(self, name: str) -> bool:
         """Whether ``name`` has history of its own (committed checkpoints, or corrupt ones,
         which restore() must not silently abandon)."""
-        if run_info(name, db=self.ck.db) is None:
+        if run_info(name, db=self.locations()[0]) is None:
             return False
-        with open_run(name, db=self.ck.db, store=self.ck.store, writable=False) as run:
+        with self._open(name, writable=False) as run:
             return run.latest() is not None or bool(run.checkpoints(["corrupt"]))
 
     def restore(self) -> LoadedCheckpoint | None:
@@ -361,7 +376,12 @@ class TrainerCheckpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        receipts = await policy.shard_receipts.remote(True)
+        try:
+            receipts = await policy.shard_receipts.remote(True)
+        except Exception as exc:
+            # The save's other half is seen with it (often the same broken store), not later.
+            await asyncio.to_thread(_settle, pending.buffer, exc)
+            raise
         await self._commit(pending, receipts)
 
     async def _commit(self, pending: PendingSave, policy_receipts: list[ShardReceipt]) -> None:
@@ -418,48 +438,60 @@ class TrainerCheckpointer:
             )
 
     async def close(self, policy: Any, error: BaseException | None) -> None:
-        """Commit the pending save and flush the run. A failure raises on a clean exit and is
-        attached to the exception already propagating otherwise (never masking it, and never
-        printed a second time: the caller reports the one error)."""
-        run = self.run
+        """Commit the pending save, then close the run, the replay-buffer writer, the database
+        and the store. The run and the writer close through their own ``with`` exits, so
+        ckptstore's rule holds: a failure raises on a clean exit and is a note on the exception
+        already propagating otherwise (never masking it, and never printed a second time: the
+        caller reports the one error)."""
         failure = error
         try:
-            if run is not None:
-                try:
-                    if policy is not None:
-                        await self.flush(policy)
-                    await asyncio.to_thread(self._wait_committed)
-                finally:
-                    self.run = None
-                    await asyncio.to_thread(self._close_run, run, error)
-        except Exception as flush_error:
+            if policy is not None:
+                await self.flush(policy)
+        except Exception as exc:
             if error is None:
-                failure = flush_error
+                failure = exc
                 raise
-            error.add_note(f"trainer: the pending checkpoint save also failed: {flush_error!r}")
+            # The policy worker's uploads are out of the run's sight: noted as the run would.
+            error.add_note(f"trainer: the pending checkpoint save also failed: {exc!r}")
         finally:
             self.pending = None
-            if self._buffer_writer is not None:
-                writer, self._buffer_writer = self._buffer_writer, None
-                await asyncio.to_thread(_close_writer, writer, failure)
+            exits = self._take_exits()  # in a worker thread: they may wait for uploads
+            if failure is None:
+                await asyncio.to_thread(exits.__exit__, None, None, None)
+            else:
+                await asyncio.to_thread(
+                    exits.__exit__, type(failure), failure, failure.__traceback__
+                )
 
-    def _close_run(self, run: Run, error: BaseException | None) -> None:
-        if error is None:
-            info = run.finalize()
-            if info is not None and self.committing is not None:
-                self._emit_saved(info)
-            self.kept_steps = [c.step for c in run.checkpoints(["committed"])]
-            run.close()
-        else:
-            run.__exit__(type(error), error, error.__traceback__)
+    def _take_exits(self) -> ExitStack:
+        """What :meth:`close` closes, last first: the store and the database after the writer
+        and the run, whose exits see the exception in flight (if any)."""
+        exits = ExitStack()
+        for resource in (self._store, self._db):
+            if resource is not None:
+                exits.callback(resource.close)
+        if self._buffer_writer is not None:
+            exits.push(self._buffer_writer)
+        if self.run is not None:
+            exits.push(self.run)
+            exits.push(partial(self._finalize, self.run))
+        self.run = self._buffer_writer = self._db = self._store = None
+        return exits
+
+    def _finalize(self, run: Run, exc_type: type[BaseException] | None, *_: object) -> None:
+        """On a clean exit: the last commit, reported, and the steps retention kept."""
+        if exc_type is not None:
+            return
+        info = run.finalize()
+        if info is not None and self.committing is not None:
+            self._emit_saved(info)
+        self.committing = None
+        self.kept_steps = [c.step for c in run.checkpoints(["committed"])]
 
 
-def _close_writer(writer: ShardWriter, failure: BaseException | None) -> None:
-    """Close the replay-buffer writer; its error (often the failed save's other half) is a
-    note on the exception already propagating, if there is one."""
+def _settle(save: ShardSave, failure: BaseException) -> None:
+    """Wait for ``save``; its own failure becomes a note on ``failure``."""
     try:
-        writer.close()
+        save.receipts()
     except Exception as exc:
-        if failure is None:
-            raise
-        failure.add_note(f"trainer: closing the replay-buffer writer failed too: {exc!r}")
+        failure.add_note(f"trainer: the replay buffer's upload failed too: {exc!r}")

@@ -152,15 +152,6 @@ class SamplerConfig:
         _at_least(self.max_staleness_versions, 0, "async_rl.sampler.max_staleness_versions")
         _at_least(self.gate_window, 1, "async_rl.sampler.gate_window")
 
-    def options(self) -> dict[str, Any]:
-        """The options mapping ``trainer.samplers.make_sampler`` takes."""
-        return {
-            "name": self.name,
-            "max_staleness_versions": self.max_staleness_versions,
-            "gate_window": self.gate_window,
-            "class": self.custom_class,
-        }
-
 
 @dataclass
 class AsyncRLConfig:
@@ -368,8 +359,9 @@ def _one_line(exc: OmegaConfBaseException) -> str:
 
 
 def training_config(cfg: TrainerConfig) -> dict[str, Any]:
-    """The config without RUNTIME_KEYS: what a resumed run records and compares."""
-    out = json.loads(json.dumps(cfg.to_dict()))
+    """The config without RUNTIME_KEYS: what a run records (its identity is
+    :func:`model_config`, the part a resume must not change)."""
+    out: dict[str, Any] = json.loads(json.dumps(cfg.to_dict()))
     for key in RUNTIME_KEYS:
         out.pop(key, None)
     return out
@@ -394,16 +386,6 @@ def architecture_changed(changed: Sequence[str]) -> bool:
 def fingerprint(value: Any) -> str:
     """A short, stable name part for a config (the first 12 hex digits of ckptstore's)."""
     return config_fingerprint(value)[:12]
-
-
-def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two nested configs."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        keys = sorted(set(old) | set(new))
-        return [
-            k for key in keys for k in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")
-        ]
-    return [] if old == new else [prefix.rstrip(".")]
 
 
 def parse_deadline(value: str | None, process_start: float) -> float | None:

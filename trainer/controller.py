@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ckptstore.checkpointer import LoadedCheckpoint
+from ckptstore import LoadedCheckpoint
 from trainer import actors
 from trainer.checkpointing import TrainerCheckpointer
 from trainer.config import TrainerConfig
@@ -34,7 +34,7 @@ from trainer.samplers import make_sampler
 from trainer.task import PromptDataset
 from trainer.trace import PromptTrace
 from trainer.watchdog import StallError, Watchdog, diagnose
-from trainer.workers import PolicyWorker, RolloutWorker, policy_config
+from trainer.workers import PolicyWorker, RolloutWorker, TrainStats, policy_config
 
 __all__ = ["Controller"]
 
@@ -51,7 +51,7 @@ class Controller(RolloutPump):
         self.group_size = grpo.num_generations_per_prompt
         self.capacity = cfg.async_rl.max_buffered_rollouts
         try:
-            self.sampler = make_sampler(cfg.async_rl.sampler.options())
+            self.sampler = make_sampler(cfg.async_rl.sampler)
         except (ValueError, TypeError) as exc:
             raise ConfigurationError(str(exc)) from None
         need = self.sampler.required_buffer_capacity(self.prompts_per_step)
@@ -152,7 +152,7 @@ class Controller(RolloutPump):
         model = Policy(policy_config(self.cfg))
         return self.checkpointer.base_weights(model, self._warmup)
 
-    def _warmup(self, model: torch.nn.Module) -> list[float]:
+    def _warmup(self, model: Policy) -> list[float]:
         w = self.cfg.warmup
         self.emit(f"supervised warm-up: {w.steps} steps")
         return supervised_warmup(
@@ -337,17 +337,20 @@ class Controller(RolloutPump):
             self.permits.release()
         data: TensorDict = torch.cat([payload for _, payload in taken])  # type: ignore[assignment]
         self.train_wait = f"the policy worker's train step {version + 1}"
-        stats = await self.policy.train_step.remote(data)
+        stats: TrainStats = await self.policy.train_step.remote(data)
         # The new version becomes visible to the rollout pump only once every worker has it.
         self.train_wait = f"the rollout workers to take weight version {version + 1}"
         await self._sync_weights(version + 1)
         self.train_steps = version + 1
         self.consumed_samples += len(groups)
         self.consumed_generations += int(data.batch_size[0])
-        self.total_valid_tokens += int(stats["tokens"])
+        self.total_valid_tokens += stats.tokens
         metrics = {
             "reward": float(data["rewards"].mean()),
-            **{key: float(stats[key]) for key in ("kl", "loss", "grad_norm", "clip_frac")},
+            "kl": stats.kl,
+            "loss": stats.loss,
+            "grad_norm": stats.grad_norm,
+            "clip_frac": stats.clip_frac,
             "staleness": float((version - data["weight_version"]).float().mean()),
             "buffer": float(len(self.buffer)),
         }

@@ -12,8 +12,8 @@ generator seeded from a hash of ``f"{seed}/{e}"``, and the sampler's state (seed
 epoch, position) rides in the loader's own ``state_dict`` (torchdata's batch-sampler iterator
 saves a sampler's state when the sampler has ``state_dict``/``load_state_dict``, and then restores
 it instead of fast-forwarding). :class:`PromptStream` turns the loader into the trainer's source
-of batches: it moves to the next epoch itself and its state is plain JSON values, which ckptstore
-stores as they are.
+of batches: it moves to the next epoch itself (the sampler's epoch is the stream's: one number,
+saved once) and its state, the loader's, is plain JSON values, which ckptstore stores as they are.
 """
 
 from __future__ import annotations
@@ -181,50 +181,44 @@ class PromptStream:
             num_workers=0,
             generator=torch.Generator().manual_seed(self.seed),
         )
-        self._epoch = 0
         self._iter: Iterator[Any] | None = None
 
     @property
     def epoch(self) -> int:
-        """Completed passes over the data (0 during the first)."""
-        return self._epoch
+        """Completed passes over the data (0 during the first): the sampler's epoch."""
+        return self.sampler.epoch
 
     def next_batch(self) -> torch.Tensor | None:
         """The next batch's prompt ids (int64), or None once ``max_epochs`` passes are done."""
-        while self._epoch < self.max_epochs:
+        while self.epoch < self.max_epochs:
             if self._iter is None:
                 self._iter = iter(self.loader)
             try:
                 batch = next(self._iter)
             except StopIteration:
                 self._iter = None
-                self._epoch += 1
                 # Also after the last epoch, so a saved state always names the epoch to run
                 # next; then resuming with a larger max_epochs just carries on.
-                self.sampler.set_epoch(self._epoch)
+                self.sampler.set_epoch(self.epoch + 1)
                 continue
             return torch.as_tensor(batch["prompt_id"], dtype=torch.int64)
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the loader's state: JSON values only (ckptstore stores it as is)."""
-        return {"epoch": self._epoch, "dataloader": self.loader.state_dict()}
+        """The loader's state, the sampler's (seed, epoch, position) inside: JSON values only
+        (ckptstore stores it as is)."""
+        state: dict[str, Any] = self.loader.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue where ``state`` left off; ValueError if malformed or of another seed/dataset."""
-        state = _mapping(state, "data state")
-        missing = {"epoch", "dataloader"} - set(state)
-        if missing:
-            raise ValueError(f"data state: missing {sorted(missing)} (has {sorted(state)})")
-        epoch = _int_field(state, "epoch", "data state")
-        loader_state = self._check_loader_state(state["dataloader"], epoch)
-        self.loader.load_state_dict(loader_state)
-        self._epoch = epoch
-        # Apply it now (torchdata would on the next iter()), so the sampler holds the position.
+        self.loader.load_state_dict(self._check_loader_state(state))
+        # Apply it now (torchdata would on the next iter()), so the sampler holds the position
+        # and the epoch.
         self._iter = iter(self.loader)
 
-    def _check_loader_state(self, value: Any, epoch: int) -> dict[str, Any]:
-        where = "data state 'dataloader'"
+    def _check_loader_state(self, value: Any) -> dict[str, Any]:
+        where = "data state"
         loader_state = dict(_mapping(value, where))
         expected = _loader_state_keys()
         missing = expected - set(loader_state)
@@ -247,12 +241,5 @@ class PromptStream:
                 "be continued"
             )
         _int_field(sampler_iter, "samples_yielded", f"{where} {_LOADER_SAMPLER_ITER!r}")
-        sampler = self.sampler.check_state(
-            sampler_iter[_BATCH_SAMPLER_STATE], f"{where} sampler state"
-        )
-        if sampler["epoch"] != epoch:
-            raise ValueError(
-                f"data state: epoch is {epoch} but its sampler state is in epoch "
-                f"{sampler['epoch']}; the state is inconsistent"
-            )
+        self.sampler.check_state(sampler_iter[_BATCH_SAMPLER_STATE], f"{where} sampler state")
         return loader_state

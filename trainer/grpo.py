@@ -22,7 +22,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-from ckptstore.errors import CkptStoreError  # noqa: E402
+from ckptstore import CkptStoreError  # noqa: E402
 from trainer.config import TrainerConfig  # noqa: E402
 from trainer.errors import TrainerError  # noqa: E402
 
@@ -97,7 +97,8 @@ def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
         configure_logging=True,
     )
     try:
-        controller = ray.remote(num_cpus=0)(Controller).remote(cfg, PROCESS_START)
+        # Any: Ray's actor handles are typed as the class, whose methods have no .remote.
+        controller: Any = ray.remote(num_cpus=0)(Controller).remote(cfg, PROCESS_START)
         done = controller.run_training.remote()
         while True:
             ready, _ = ray.wait([done], timeout=0.2)

@@ -38,10 +38,11 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(self.ln1(x)).split(width, dim=-1)
-        heads = [t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v)]
-        attn = F.scaled_dot_product_attention(*heads, is_causal=True)
+        hq, hk, hv = (t.view(batch, length, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        attn = F.scaled_dot_product_attention(hq, hk, hv, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(batch, length, width))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class Policy(nn.Module):
@@ -61,7 +62,8 @@ class Policy(nn.Module):
         x = self.tok(tokens) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln(x))
+        logits: torch.Tensor = self.head(self.ln(x))
+        return logits
 
 
 def _digit_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -142,7 +144,7 @@ def supervised_warmup(
             logits[..., :NUM_DIGITS_VOCAB].reshape(-1, NUM_DIGITS_VOCAB), tokens[:, -n:].reshape(-1)
         )
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         optimizer.step()
         losses.append(loss.item())
     return losses

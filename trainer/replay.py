@@ -1,10 +1,13 @@
 """The replay buffer (DESIGN.md §9.3): groups of G samples of one prompt, payloads in a data plane.
 
 A group's life: ``reserve()`` appends an unready slot when its prompt is dispatched; the rollout's
-``commit()`` stores the payload, stamps ``end_weight`` and marks it ready (or rolls everything
-back and raises); the sampler later selects it for training or evicts it, which removes it. Only
-ready groups are checkpointed; ``load_state_dict()`` validates everything before touching the
-buffer.
+``commit()`` stores the :class:`Rollout` a worker generated (checked when it was made), stamps
+``end_weight`` and marks it ready (or rolls everything back and raises); the sampler later
+selects it for training or evicts it, which removes it. Only ready groups are checkpointed;
+``load_state_dict()`` validates everything before touching the buffer.
+
+A group's payload is kept as the rollout made it (one TensorDict of G rows): ``state_dict()``
+hands it to the checkpoint as it is, so the save's snapshot is its only copy.
 """
 
 from __future__ import annotations
@@ -33,8 +36,44 @@ class ReplayBufferError(ValueError):
     """A group or a saved buffer that breaks the buffer's rules; nothing was changed."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    """One prompt's group as a rollout worker generated it: G samples, one payload row each."""
+
+    group_id: int
+    sample_ids: list[int]
+    #: Sequence length of each sample.
+    seq_lens: list[int]
+    #: The weight version each sample was generated with.
+    weight_versions: list[int]
+    #: One row per sample, in ``sample_ids`` order.
+    payload: TensorDict
+
+    def __post_init__(self) -> None:
+        n = len(self.sample_ids)
+        if not len(self.seq_lens) == len(self.weight_versions) == n:
+            raise ReplayBufferError(
+                f"group {self.group_id} has {n} sample ids but {len(self.seq_lens)} lengths and "
+                f"{len(self.weight_versions)} weight versions"
+            )
+        if len(set(self.sample_ids)) != n:
+            raise ReplayBufferError(f"group {self.group_id} repeats a sample id: {self.sample_ids}")
+        if not isinstance(self.payload, TensorDict):
+            raise ReplayBufferError(
+                f"group {self.group_id}: the payload must be a TensorDict, not "
+                f"{type(self.payload).__name__}"
+            )
+        if tuple(self.payload.batch_size[:1]) != (n,):
+            raise ReplayBufferError(
+                f"group {self.group_id}: payload batch size {tuple(self.payload.batch_size)} "
+                f"is not ({n}, ...)"
+            )
+
+
 @dataclass
 class Group:
+    """A replay-buffer slot: one prompt's group, unready until its rollout is committed."""
+
     group_id: int
     prompt_id: int
     dispatch_index: int
@@ -47,14 +86,17 @@ class Group:
     weight_versions: list[int] = field(default_factory=list)
 
     def meta(self) -> dict[str, Any]:
+        """The group's fields as a checkpoint stores them (no payload)."""
         return {key: getattr(self, key) for key in GROUP_KEYS}
 
 
 class DataPlane:
-    """Sample payloads keyed by sample id (one TensorDict row per sample)."""
+    """Sample payloads keyed by sample id. A ``put``'s TensorDict is kept whole: ``get`` of
+    exactly its ids, in order, returns it without a copy; any other selection is stacked."""
 
     def __init__(self) -> None:
-        self._rows: dict[int, TensorDict] = {}
+        #: sample id -> (the TensorDict holding its row, the row).
+        self._rows: dict[int, tuple[TensorDict, int]] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -63,18 +105,32 @@ class DataPlane:
         return sample_id in self._rows
 
     def put(self, sample_ids: list[int], payload: TensorDict) -> None:
+        """Store ``payload``'s rows under ``sample_ids`` (nobody changes ``payload`` after)."""
         for i, sample_id in enumerate(sample_ids):
-            self._rows[sample_id] = payload[i]
+            self._rows[sample_id] = (payload, i)
 
     def get(self, sample_ids: Iterable[int]) -> TensorDict:
-        return torch.stack([self._rows[i] for i in sample_ids])  # type: ignore[return-value]
+        """The rows of ``sample_ids`` in that order: the stored TensorDict itself when they are
+        all of one ``put``'s rows in its order, else a new stacked one."""
+        rows = [self._rows[i] for i in sample_ids]
+        whole = rows[0][0] if rows else None
+        if (
+            whole is not None
+            and len(rows) == whole.batch_size[0]
+            and all(p is whole and r == i for i, (p, r) in enumerate(rows))
+        ):
+            return whole
+        return torch.stack([p[r] for p, r in rows])  # type: ignore[return-value]
 
     def drop(self, sample_ids: Iterable[int]) -> None:
+        """Forget these rows (ids not stored are ignored)."""
         for sample_id in sample_ids:
             self._rows.pop(sample_id, None)
 
 
 class ReplayBuffer:
+    """Groups in dispatch order, at most ``capacity``, each of ``group_size`` samples."""
+
     def __init__(self, capacity: int, group_size: int) -> None:
         if capacity < 1 or group_size < 1:
             raise ValueError("a replay buffer needs capacity >= 1 and group_size >= 1")
@@ -117,29 +173,20 @@ class ReplayBuffer:
         self.groups.append(group)
         return group
 
-    def commit(
-        self,
-        group_id: int,
-        *,
-        sample_ids: list[int],
-        seq_lens: list[int],
-        weight_versions: list[int],
-        payload: TensorDict,
-        end_weight: int,
-    ) -> Group:
+    def commit(self, rollout: Rollout, *, end_weight: int) -> Group:
         """Store the rollout of a reserved group and mark it ready; on any error, change nothing."""
-        group = self.find(group_id)
+        group = self.find(rollout.group_id)
         if group.ready:
-            raise ReplayBufferError(f"group {group_id} is already committed")
+            raise ReplayBufferError(f"group {rollout.group_id} is already committed")
         stored: list[int] = []
         try:
-            self._check_rows(group_id, sample_ids, seq_lens, weight_versions, payload)
-            stored = list(sample_ids)
-            self.data.put(stored, payload)
-            group.sample_ids = list(sample_ids)
-            group.seq_lens = [int(n) for n in seq_lens]
-            group.weight_versions = [int(v) for v in weight_versions]
-            group.end_weight = int(end_weight)
+            self._check_fits(rollout)
+            stored = list(rollout.sample_ids)
+            self.data.put(stored, rollout.payload)
+            group.sample_ids = stored
+            group.seq_lens = list(rollout.seq_lens)
+            group.weight_versions = list(rollout.weight_versions)
+            group.end_weight = end_weight
             group.ready = True
         except BaseException:
             self.data.drop(stored)
@@ -164,33 +211,18 @@ class ReplayBuffer:
             out.append((group, payload))
         return out
 
-    def _check_rows(
-        self,
-        group_id: int,
-        sample_ids: list[int],
-        seq_lens: list[int],
-        weight_versions: list[int],
-        payload: TensorDict,
-    ) -> None:
-        size = self.group_size
-        if not (len(sample_ids) == len(seq_lens) == len(weight_versions) == size):
+    def _check_fits(self, rollout: Rollout) -> None:
+        """What a rollout checked itself cannot know: this buffer's group size, and the sample
+        ids it holds already."""
+        if len(rollout.sample_ids) != self.group_size:
             raise ReplayBufferError(
-                f"group {group_id} needs exactly {size} sample ids, lengths and weight versions; "
-                f"got {len(sample_ids)}, {len(seq_lens)}, {len(weight_versions)}"
+                f"group {rollout.group_id} needs exactly {self.group_size} samples "
+                f"(grpo.num_generations_per_prompt); the rollout has {len(rollout.sample_ids)}"
             )
-        if len(set(sample_ids)) != size:
-            raise ReplayBufferError(f"group {group_id} repeats a sample id: {sample_ids}")
-        clash = [i for i in sample_ids if i in self.data]
+        clash = [i for i in rollout.sample_ids if i in self.data]
         if clash:
-            raise ReplayBufferError(f"group {group_id}: sample ids {clash} are already buffered")
-        if not isinstance(payload, TensorDict):
             raise ReplayBufferError(
-                f"group {group_id}: the payload must be a TensorDict, not {type(payload).__name__}"
-            )
-        if tuple(payload.batch_size[:1]) != (size,):
-            raise ReplayBufferError(
-                f"group {group_id}: payload batch size {tuple(payload.batch_size)} "
-                f"is not ({size}, ...)"
+                f"group {rollout.group_id}: sample ids {clash} are already buffered"
             )
 
     # -- checkpointing ------------------------------------------------------------------------

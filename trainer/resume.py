@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.checkpointer import LoadedCheckpoint
+from ckptstore import LoadedCheckpoint
 from trainer.config import TrainerConfig
 from trainer.data import PromptStream
 from trainer.errors import ResumeError

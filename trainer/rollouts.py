@@ -20,6 +20,7 @@ from trainer.replay import ReplayBuffer
 from trainer.samplers import PromptGroupSampler
 from trainer.task import PromptDataset
 from trainer.trace import PromptTrace
+from trainer.workers import RolloutRequest
 
 #: Rollouts that may fail in a row (their prompts are dispatched again) before training stops.
 MAX_ROLLOUT_FAILURES = 3
@@ -53,9 +54,11 @@ class RolloutPump:
         async with self._cond:
             self._cond.notify_all()
 
-    async def _wait_until(self, predicate: Callable[[], bool]) -> None:
+    async def _wait_until(self, predicate: Callable[[], bool]) -> bool:
+        """Wait until ``predicate()`` holds (True) or the run stops (False)."""
         async with self._cond:
             await self._cond.wait_for(lambda: self.stop or predicate())
+        return not self.stop
 
     def _next_batch(self) -> Batch | None:
         """Admit the next batch from the prompt stream (None when the data is exhausted)."""
@@ -77,8 +80,9 @@ class RolloutPump:
         while not self.stop:
             # Prompts to dispatch again (restored, or whose rollout failed) go first and are
             # not gated: they were admitted already.
-            await self._wait_until(lambda: bool(self.ledger.redispatch) or self._may_admit())
-            if self.stop:
+            if not await self._wait_until(
+                lambda: bool(self.ledger.redispatch) or self._may_admit()
+            ):
                 return
             todo = self.ledger.take_redispatch()
             if not todo:
@@ -125,7 +129,7 @@ class RolloutPump:
 
     async def _rollout(self, worker: Any, todo: list[Entry]) -> None:
         requests = [
-            {"group_id": p.group_id, "digits": self.dataset.digits[p.prompt_id].tolist()}
+            RolloutRequest(group_id=p.group_id, digits=self.dataset.digits[p.prompt_id].tolist())
             for _, p in todo
         ]
         try:
@@ -138,14 +142,7 @@ class RolloutPump:
             if prompt.group_id in self.ledger.aborted:
                 self._drop(prompt, "aborted")
                 continue
-            self.buffer.commit(
-                prompt.group_id,
-                sample_ids=result["sample_ids"],
-                seq_lens=result["seq_lens"],
-                weight_versions=result["weight_versions"],
-                payload=result["payload"],
-                end_weight=self.train_steps,
-            )
+            self.buffer.commit(result, end_weight=self.train_steps)
             self.ledger.ready(prompt)
         await self._notify()
 

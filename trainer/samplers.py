@@ -2,15 +2,15 @@
 
 The dispatch index counts admitted prompt batches from -1; ``set_dispatch_index(s)`` sets it to
 ``s - 1`` when a run resumes at step ``s``. ``trainer_version`` is the number of train steps
-taken (the version of the weights the rollout workers have).
+taken (the version of the weights the rollout workers have). A sampler takes its options from
+``async_rl.sampler`` (:class:`~trainer.config.SamplerConfig`, which checks the name and ranges).
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from typing import Any
 
+from trainer.config import SamplerConfig
 from trainer.replay import Group
 
 
@@ -20,14 +20,11 @@ class PromptGroupSampler:
     name = "base"
     gated = False
 
-    def __init__(self, options: Mapping[str, Any] | None = None) -> None:
-        options = dict(options or {})
-        self.max_staleness_versions = int(options.get("max_staleness_versions", 1))
-        self.gate_window = int(options.get("gate_window", 1))
-        if self.max_staleness_versions < 0 or self.gate_window < 1:
-            raise ValueError(
-                "async_rl.sampler needs max_staleness_versions >= 0 and gate_window >= 1"
-            )
+    def __init__(self, config: SamplerConfig | None = None) -> None:
+        """``config``: ``async_rl.sampler`` (its defaults if None)."""
+        config = config or SamplerConfig()
+        self.max_staleness_versions = config.max_staleness_versions
+        self.gate_window = config.gate_window
         self.dispatch_index = -1
 
     # -- dispatch -------------------------------------------------------------------------
@@ -144,30 +141,20 @@ BUILTIN: dict[str, type[PromptGroupSampler]] = {
 }
 
 
-def make_sampler(options: Mapping[str, Any]) -> PromptGroupSampler:
+def make_sampler(config: SamplerConfig) -> PromptGroupSampler:
     """The sampler ``async_rl.sampler.name``; ``custom`` loads ``async_rl.sampler.custom_class``
-    (the ``class`` option)."""
-    name = str(options.get("name"))
-    if name in BUILTIN:
-        return BUILTIN[name](options)
-    if name != "custom":
-        raise ValueError(
-            f"async_rl.sampler.name={name!r} is unknown: use one of "
-            f"{[*BUILTIN, 'custom']} (custom needs async_rl.sampler.custom_class=module:Class)"
-        )
-    target = options.get("class")
-    if not target or ":" not in str(target):
-        raise ValueError(
-            "async_rl.sampler.name=custom needs async_rl.sampler.custom_class=module:Class"
-        )
-    module_name, _, class_name = str(target).partition(":")
+    (``module:Class``, a PromptGroupSampler subclass)."""
+    if config.name != "custom":
+        return BUILTIN[config.name](config)
+    target = str(config.custom_class)
+    module_name, _, class_name = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError, ValueError, TypeError) as exc:
         raise ValueError(f"cannot load custom sampler {target!r}: {exc}") from exc
     if not (isinstance(cls, type) and issubclass(cls, PromptGroupSampler)):
         raise TypeError(f"custom sampler {target!r} is not a PromptGroupSampler subclass")
-    sampler = cls(options)
+    sampler = cls(config)
     if sampler.name in (*BUILTIN, "base"):
         sampler.name = f"custom:{target}"
     return sampler

@@ -6,13 +6,13 @@ backend); the controller calls them the same way either way: ``await worker.meth
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from ckptstore import WriterOptions
-from ckptstore.checkpointer import ShardReceipt, ShardSave, ShardWriter
+from ckptstore import ShardReceipt, ShardSave, ShardWriter, WriterOptions
 from trainer.config import TrainerConfig
 from trainer.policy import (
     Policy,
@@ -22,7 +22,30 @@ from trainer.policy import (
     group_advantages,
     grpo_loss,
 )
+from trainer.replay import Rollout
 from trainer.task import reward
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutRequest:
+    """A prompt to generate a group for."""
+
+    group_id: int
+    digits: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStats:
+    """What one train step reports."""
+
+    loss: float
+    grad_norm: float
+    #: Answer tokens trained on.
+    tokens: int
+    #: Mean k3 KL to the reference, per answer token.
+    kl: float
+    #: Fraction of answer tokens whose ratio was clipped.
+    clip_frac: float
 
 
 def policy_config(cfg: TrainerConfig) -> PolicyConfig:
@@ -49,14 +72,14 @@ class RolloutWorker:
         self.version = version
         return version
 
-    def generate(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One result per request ``{group_id, digits}``; sampling is seeded by the group id."""
+    def generate(self, requests: list[RolloutRequest]) -> list[Rollout]:
+        """One group per request; sampling is seeded by the group id."""
         group_size = self.cfg.grpo.num_generations_per_prompt
         temperature = self.cfg.grpo.temperature
         results = []
         for request in requests:
-            group_id = int(request["group_id"])
-            digits = torch.tensor([request["digits"]], dtype=torch.int64)
+            group_id = request.group_id
+            digits = torch.tensor([request.digits], dtype=torch.int64)
             generator = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + group_id)
             tokens, logprobs = generate(
                 self.model, digits, samples=group_size, temperature=temperature, generator=generator
@@ -73,13 +96,13 @@ class RolloutWorker:
                 batch_size=[group_size],
             )
             results.append(
-                {
-                    "group_id": group_id,
-                    "sample_ids": [group_id * group_size + i for i in range(group_size)],
-                    "seq_lens": [int(tokens.shape[1])] * group_size,
-                    "weight_versions": [self.version] * group_size,
-                    "payload": payload,
-                }
+                Rollout(
+                    group_id=group_id,
+                    sample_ids=[group_id * group_size + i for i in range(group_size)],
+                    seq_lens=[int(tokens.shape[1])] * group_size,
+                    weight_versions=[self.version] * group_size,
+                    payload=payload,
+                )
             )
         return results
 
@@ -105,7 +128,8 @@ class PolicyWorker:
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    def train_step(self, batch: TensorDict) -> dict[str, float]:
+    def train_step(self, batch: TensorDict) -> TrainStats:
+        """One GRPO step on ``batch`` (whole groups, in order)."""
         g = self.cfg.grpo.num_generations_per_prompt
         n = self.cfg.task.num_digits
         tokens = batch["tokens"]
@@ -123,15 +147,16 @@ class PolicyWorker:
             kl_coef=self.cfg.grpo.kl_coef,
         )
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        torch.autograd.backward(loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return {
-            "loss": loss.item(),
-            "grad_norm": float(grad_norm),
-            "tokens": int(tokens.shape[0] * n),
-            **stats,
-        }
+        return TrainStats(
+            loss=loss.item(),
+            grad_norm=float(grad_norm),
+            tokens=int(tokens.shape[0] * n),
+            kl=stats["kl"],
+            clip_frac=stats["clip_frac"],
+        )
 
     def snapshot_shards(self, save_optimizer: bool) -> None:
         """Snapshot the policy (and optimizer) shards and start uploading them in the

@@ -26,8 +26,10 @@ from ckptstore.objectstore import LocalStore
 
 REPO = Path(__file__).resolve().parents[2]
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-#: What the build reads (pyproject.toml lists the packages; migrations/ ships inside).
-SOURCES = ["pyproject.toml", "README.md", "ckptstore", "migrations", "trainer"]
+#: What the build reads (pyproject.toml lists the packages; migrations/ ships inside), and the
+#: checkout's other top-level folders, which must stay out of the wheel (trainer/ is the reference
+#: user, run from the checkout; a top-level ``trainer`` would collide with a PyPI project's).
+SOURCES = ["pyproject.toml", "README.md", "ckptstore", "migrations", "trainer", "tests", "bench"]
 
 pytestmark = pytest.mark.skipif(
     fpcodec.native is None,
@@ -85,6 +87,11 @@ def test_without_a_compiler_it_installs_and_reads_fphuff_blobs(tmp_path: Path) -
         names = archive.namelist()
     assert "ckptstore/cas/fpref.py" in names
     assert not [n for n in names if n.endswith((".so", ".pyd"))]
+    # The library alone, and all of it: every package under ckptstore/ (pyproject lists them).
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"ckptstore"}
+    packages = [p.parent.relative_to(REPO) for p in (REPO / "ckptstore").rglob("__init__.py")]
+    assert [p for p in packages if f"{p.as_posix()}/__init__.py" not in names] == []
     site = tmp_path / "site"
     subprocess.run(
         [*PIP, "install", "--no-deps", "--no-compile", "--target", str(site), str(wheel)],

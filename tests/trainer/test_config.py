@@ -80,6 +80,10 @@ def test_yaml_then_overrides_then_typed_values(tmp_path: Path) -> None:
         (["async_rl.sampler.name=fifo"], r"async_rl\.sampler\.name='fifo' is unknown"),
         (["async_rl.sampler.name=custom"], r"needs async_rl\.sampler\.custom_class=module:Class"),
         (["async_rl.sampler.gate_window=0"], r"async_rl\.sampler\.gate_window=0"),
+        (
+            ["async_rl.sampler.max_staleness_versions=-1"],
+            r"async_rl\.sampler\.max_staleness_versions=-1 must be at least 0",
+        ),
         (["policy.d_model=30", "policy.n_heads=4"], r"policy\.n_heads=4 must divide"),
         (["backend=slurm"], r"backend='slurm' must be one of"),
         (["async_rl.max_buffered_rollouts=2"], r"max_buffered_rollouts=2 must be >= grpo"),

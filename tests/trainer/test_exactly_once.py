@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_helpers import LONG_BUDGET, small_config, small_overrides, train
+from trainer_helpers import LONG_BUDGET, checkout_env, small_config, small_overrides, train
 
 from ckptstore.checkpointer import open_run
 from trainer.trace import read_trace, trained_prompts
@@ -98,8 +98,7 @@ def _command(root: Path, sampler: str, backend: str, *pause: str, steps: int = S
 
 
 def _env(root: Path) -> dict[str, str]:
-    return dict(
-        os.environ,
+    return checkout_env(
         PYTHONUNBUFFERED="1",
         RAY_USAGE_STATS_ENABLED="0",
         RAY_AUTH_MODE="disabled",

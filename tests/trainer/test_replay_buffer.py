@@ -1,10 +1,9 @@
-"""The trainer's replay buffer (DESIGN.md §9.3): the reserve -> commit path, its rollback, and
-checkpoints of the buffer that go through the real store and come back bit-exactly."""
+"""The trainer's replay buffer (DESIGN.md §9.3): the reserve -> commit path of a worker's
+:class:`~trainer.replay.Rollout`, its rollback, and one copy of each payload. Checkpoints of the
+buffer are in test_replay_checkpoint.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,431 +11,64 @@ import torch
 
 pytest.importorskip("tensordict")
 
+from replay_helpers import (
+    G,
+    add_group,
+    assert_bitexact,
+    assert_unchanged,
+    make_payload,
+    rollout,
+    sample_ids_of,
+    snapshot,
+)
 from tensordict import TensorDict
 
-from ckptstore.cas.writer import WriterOptions
-from ckptstore.checkpointer import Run, ShardWriter, open_run
-from trainer.replay import GROUP_KEYS, DataPlane, Group, ReplayBuffer, ReplayBufferError
-
-G = 4  # samples per group (grpo.num_generations_per_prompt)
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def make_payload(seed: int, rows: int = G, width: int = 6) -> TensorDict:
-    """Mixed dtypes, special float values and a non-contiguous view field."""
-    gen = torch.Generator().manual_seed(seed)
-    logp = torch.randn(rows, width, generator=gen)
-    logp[0, :3] = torch.tensor([float("nan"), -0.0, float("-inf")])
-    wide = torch.randn(rows, 2 * width, generator=gen)
-    td = TensorDict(
-        {
-            "tokens": torch.randint(-(2**62), 2**62, (rows, width), generator=gen),
-            "logp": logp,
-            "x": wide[:, ::2],
-            "mask": torch.rand(rows, width, generator=gen) > 0.5,
-        },
-        batch_size=[rows],
-    )
-    assert not td["x"].is_contiguous()
-    assert td["tokens"].dtype == torch.int64
-    assert td["logp"].dtype == torch.float32
-    return td
-
-
-def sample_ids_of(group_id: int) -> list[int]:
-    return [group_id * 100 + j for j in range(G)]
-
-
-def add_group(
-    buf: ReplayBuffer,
-    group_id: int,
-    *,
-    start_weight: int = 0,
-    end_weight: int | None = None,
-    target_step: int | None = None,
-    dispatch_index: int | None = None,
-    commit: bool = True,
-    payload: TensorDict | None = None,
-) -> Group:
-    """reserve() and (unless ``commit=False``) commit() one group through the real path."""
-    group = buf.reserve(
-        group_id,
-        prompt_id=1000 + group_id,
-        dispatch_index=group_id if dispatch_index is None else dispatch_index,
-        start_weight=start_weight,
-        target_step=target_step,
-    )
-    if commit:
-        buf.commit(
-            group_id,
-            sample_ids=sample_ids_of(group_id),
-            seq_lens=[group_id + j + 1 for j in range(G)],
-            weight_versions=[start_weight + (j % 2) for j in range(G)],
-            payload=make_payload(group_id) if payload is None else payload,
-            end_weight=start_weight + 1 if end_weight is None else end_weight,
-        )
-    return group
-
-
-def assert_bitexact(actual: TensorDict, expected: TensorDict) -> None:
-    assert isinstance(actual, TensorDict)
-    assert actual.batch_size == expected.batch_size
-    assert sorted(actual.keys()) == sorted(expected.keys())
-    for key in sorted(expected.keys()):
-        a, e = actual[key], expected[key]
-        assert a.dtype == e.dtype, key
-        assert a.shape == e.shape, key
-        # Compare the bytes: NaN and -0.0 must survive too.
-        assert torch.equal(a.contiguous().view(torch.uint8), e.contiguous().view(torch.uint8)), key
-
-
-def snapshot(buf: ReplayBuffer) -> tuple[list[tuple[dict[str, Any], bool]], int, dict[int, Any]]:
-    """Everything observable about a buffer, to check that a refused call changed nothing."""
-    metas = [(g.meta(), g.ready) for g in buf.groups]
-    rows = {}
-    for g in buf.groups:
-        for i in g.sample_ids:
-            rows[i] = buf.data.get([i]).clone()
-    return metas, len(buf.data), rows
-
-
-def assert_unchanged(buf: ReplayBuffer, before: tuple[Any, int, dict[int, Any]]) -> None:
-    metas, size, rows = snapshot(buf)
-    assert metas == before[0]
-    assert size == before[1]
-    assert rows.keys() == before[2].keys()
-    for i, row in before[2].items():
-        assert_bitexact(rows[i], row)
-
-
-@pytest.fixture
-def run(tmp_path: Path) -> Iterator[Run]:
-    opened = open_run(
-        "rb", db=f"sqlite:///{tmp_path}/m.db", store=str(tmp_path / "store"), async_save=False
-    )
-    try:
-        yield opened
-    finally:
-        opened.close()
-
-
-@pytest.fixture
-def shard_writer(run: Run) -> Iterator[ShardWriter]:
-    # As the controller does: no packs, so an unchanged group stores the same blobs again.
-    with ShardWriter(run.store, options=WriterOptions(pack_threshold=0)) as writer:
-        yield writer
-
-
-SaveLoad = Callable[[int, dict[str, Any]], dict[str, Any]]
-
-
-@pytest.fixture(params=["components", "receipt"])
-def save_load(request: pytest.FixtureRequest, run: Run, tmp_path: Path) -> Iterator[SaveLoad]:
-    """Save a buffer state at a step and load it back, via run.save or a worker's receipt."""
-    writer = ShardWriter(run.store, options=WriterOptions(pack_threshold=0))
-
-    def go(step: int, state: dict[str, Any]) -> dict[str, Any]:
-        if request.param == "components":
-            run.save(step, {"replay_buffer": state})
-        else:
-            receipt = writer.write("replay_buffer", state, kind="replay_buffer")
-            run.save(step, receipts=[receipt])
-        loaded = run.load(step).state["replay_buffer"]
-        assert isinstance(loaded, dict)
-        return loaded
-
-    try:
-        yield go
-    finally:
-        writer.close()
-
-
-# -- round trips through the store ------------------------------------------------------------
-
-
-def test_round_trip_through_the_store_keeps_groups_and_payloads(save_load: SaveLoad) -> None:
-    buf = ReplayBuffer(capacity=4, group_size=G)
-    add_group(buf, 1, start_weight=1, end_weight=2)
-    add_group(buf, 2, start_weight=5, end_weight=6, target_step=7)
-    originals = {1: make_payload(1), 2: make_payload(2)}
-
-    loaded = save_load(1, buf.state_dict())
-
-    fresh = ReplayBuffer(capacity=4, group_size=G)
-    restored = fresh.load_state_dict(loaded)
-    assert [g.group_id for g in restored] == [1, 2]
-    assert restored == fresh.groups
-    one, two = fresh.groups
-    assert one.meta() == {
-        "group_id": 1,
-        "prompt_id": 1001,
-        "dispatch_index": 1,
-        "sample_ids": [100, 101, 102, 103],
-        "seq_lens": [2, 3, 4, 5],
-        "weight_versions": [1, 2, 1, 2],
-        "start_weight": 1,
-        "end_weight": 2,
-        "target_step": None,
-    }
-    assert two.meta() == {
-        "group_id": 2,
-        "prompt_id": 1002,
-        "dispatch_index": 2,
-        "sample_ids": [200, 201, 202, 203],
-        "seq_lens": [3, 4, 5, 6],
-        "weight_versions": [5, 6, 5, 6],
-        "start_weight": 5,
-        "end_weight": 6,
-        "target_step": 7,
-    }
-    assert one.ready
-    assert two.ready
-    assert len(fresh.data) == 2 * G
-    for gid, payload in originals.items():
-        assert_bitexact(fresh.data.get(sample_ids_of(gid)), payload)
-    # Rows keyed by sample id: any subset, in any order, comes back row for row.
-    assert_bitexact(fresh.data.get([203, 100]), torch.stack([originals[2][3], originals[1][0]]))
-
-    taken = fresh.take([two])
-    assert len(taken) == 1
-    assert taken[0][0] is two
-    assert_bitexact(taken[0][1], originals[2])
-    assert [g.group_id for g in fresh.groups] == [1]
-    assert len(fresh.data) == G
-    assert not any(i in fresh.data for i in sample_ids_of(2))
-
-
-def test_restored_sample_ids_are_buffered(save_load: SaveLoad) -> None:
-    buf = ReplayBuffer(capacity=4, group_size=G)
-    add_group(buf, 1)
-    fresh = ReplayBuffer(capacity=4, group_size=G)
-    fresh.load_state_dict(save_load(1, buf.state_dict()))
-    add_group(fresh, 2, commit=False)
-    clashing = [300, 301, 302, 100]  # 100 belongs to restored group 1
-    with pytest.raises(ReplayBufferError, match=r"\[100\] are already buffered"):
-        fresh.commit(
-            2,
-            sample_ids=clashing,
-            seq_lens=[1] * G,
-            weight_versions=[0] * G,
-            payload=make_payload(2),
-            end_weight=1,
-        )
-    assert not fresh.find(2).ready
-
-
-def test_empty_buffer_round_trips(save_load: SaveLoad) -> None:
-    empty = ReplayBuffer(capacity=3, group_size=G)
-    state = empty.state_dict()
-    assert state == {"group_size": G, "groups": [], "payloads": {}}
-    loaded = save_load(1, state)
-    assert loaded["group_size"] == G
-    assert list(loaded["groups"]) == []
-    assert dict(loaded["payloads"]) == {}
-
-    fresh = ReplayBuffer(capacity=3, group_size=G)
-    assert fresh.load_state_dict(loaded) == []
-    assert fresh.groups == []
-    assert len(fresh.data) == 0
-
-    # Loading replaces: an empty checkpoint empties a buffer that held groups.
-    full = ReplayBuffer(capacity=3, group_size=G)
-    add_group(full, 1)
-    add_group(full, 2, commit=False)
-    full.load_state_dict(loaded)
-    assert full.groups == []
-    assert len(full.data) == 0
-    assert full.state_dict() == {"group_size": G, "groups": [], "payloads": {}}
-
-
-def test_state_dict_saves_only_ready_groups_unshifted(save_load: SaveLoad) -> None:
-    buf = ReplayBuffer(capacity=3, group_size=G)
-    add_group(buf, 11, start_weight=3, end_weight=4, dispatch_index=0)
-    add_group(buf, 12, start_weight=4, target_step=9, dispatch_index=1, commit=False)
-    add_group(buf, 13, start_weight=5, end_weight=8, target_step=6, dispatch_index=2)
-
-    state = buf.state_dict()
-    assert state["group_size"] == G
-    assert state["groups"] == [
-        {
-            "group_id": 11,
-            "prompt_id": 1011,
-            "dispatch_index": 0,
-            "sample_ids": [1100, 1101, 1102, 1103],
-            "seq_lens": [12, 13, 14, 15],
-            "weight_versions": [3, 4, 3, 4],
-            "start_weight": 3,
-            "end_weight": 4,
-            "target_step": None,
-        },
-        {
-            "group_id": 13,
-            "prompt_id": 1013,
-            "dispatch_index": 2,
-            "sample_ids": [1300, 1301, 1302, 1303],
-            "seq_lens": [14, 15, 16, 17],
-            "weight_versions": [5, 6, 5, 6],
-            "start_weight": 5,
-            "end_weight": 8,
-            "target_step": 6,
-        },
-    ]
-    assert sorted(state["payloads"]) == ["11", "13"]
-    assert_bitexact(state["payloads"]["11"], make_payload(11))
-    assert_bitexact(state["payloads"]["13"], make_payload(13))
-    # Saving does not disturb the live buffer: the unready slot is still there.
-    assert [(g.group_id, g.ready) for g in buf.groups] == [(11, True), (12, False), (13, True)]
-
-    fresh = ReplayBuffer(capacity=3, group_size=G)
-    fresh.load_state_dict(save_load(1, state))
-    assert [g.meta() for g in fresh.groups] == state["groups"]
-    assert all(g.ready for g in fresh.groups)
-    assert len(fresh.data) == 2 * G
-    assert_bitexact(fresh.data.get(sample_ids_of(11)), make_payload(11))
-    assert_bitexact(fresh.data.get(sample_ids_of(13)), make_payload(13))
-
-
-@pytest.mark.parametrize(
-    "ready",
-    [(True, False, True), (False, True, False), (False, False, True), (True, True, False)],
-    ids=lambda r: "".join("R" if x else "u" for x in r),
-)
-def test_unready_slots_anywhere_are_skipped(ready: tuple[bool, ...]) -> None:
-    buf = ReplayBuffer(capacity=3, group_size=G)
-    for gid, is_ready in enumerate(ready, start=1):
-        add_group(buf, gid, start_weight=gid * 10, target_step=gid, commit=is_ready)
-    state = buf.state_dict()
-    wanted = [gid for gid, is_ready in enumerate(ready, start=1) if is_ready]
-    assert [m["group_id"] for m in state["groups"]] == wanted
-    for meta in state["groups"]:
-        gid = meta["group_id"]
-        assert meta["sample_ids"] == sample_ids_of(gid)
-        assert meta["start_weight"] == gid * 10
-        assert meta["end_weight"] == gid * 10 + 1
-        assert meta["target_step"] == gid
-        assert meta["weight_versions"] == [gid * 10, gid * 10 + 1] * (G // 2)
-    assert sorted(state["payloads"]) == sorted(str(gid) for gid in wanted)
-    for gid in wanted:
-        assert_bitexact(state["payloads"][str(gid)], make_payload(gid))
-
-
-def test_round_trip_through_a_receipt_like_the_controller(
-    run: Run, shard_writer: ShardWriter
-) -> None:
-    buf = ReplayBuffer(capacity=2, group_size=G)
-    add_group(buf, 1, start_weight=1, end_weight=2)
-    add_group(buf, 2, start_weight=2, target_step=7)
-    receipt = shard_writer.write("replay_buffer", buf.state_dict(), kind="replay_buffer")
-    assert receipt.component == "replay_buffer"
-    assert receipt.kind == "replay_buffer"
-    run.save(3, receipts=[receipt])
-    fresh = ReplayBuffer(capacity=2, group_size=G)
-    fresh.load_state_dict(run.load(3).state["replay_buffer"])
-    assert [g.meta() for g in fresh.groups] == [g.meta() for g in buf.groups]
-    assert (fresh.groups[0].start_weight, fresh.groups[0].end_weight) == (1, 2)
-    assert fresh.groups[1].target_step == 7
-    for gid in (1, 2):
-        assert_bitexact(fresh.data.get(sample_ids_of(gid)), buf.data.get(sample_ids_of(gid)))
-
-
-# -- more groups than capacity ----------------------------------------------------------------
-
-
-def big_state(
-    start_weights: list[int], target_steps: list[int | None] | None = None
-) -> dict[str, Any]:
-    source = ReplayBuffer(capacity=len(start_weights), group_size=G)
-    for gid, sw in enumerate(start_weights, start=1):
-        ts = None if target_steps is None else target_steps[gid - 1]
-        add_group(source, gid, start_weight=sw, target_step=ts)
-    return source.state_dict()
-
-
-def test_over_capacity_keeps_the_freshest_by_start_weight(save_load: SaveLoad) -> None:
-    loaded = save_load(1, big_state([3, 1, 4, 2]))
-    buf = ReplayBuffer(capacity=2, group_size=G)
-    kept = buf.load_state_dict(loaded)
-    # Groups 1 (start_weight 3) and 3 (start_weight 4) survive, in their saved order.
-    assert [g.group_id for g in kept] == [1, 3]
-    assert [g.start_weight for g in buf.groups] == [3, 4]
-    assert len(buf.data) == 2 * G
-    for gid in (2, 4):
-        assert not any(i in buf.data for i in sample_ids_of(gid))
-    for gid in (1, 3):
-        assert_bitexact(buf.data.get(sample_ids_of(gid)), make_payload(gid))
-
-
-def test_at_capacity_groups_with_target_steps_load() -> None:
-    buf = ReplayBuffer(capacity=3, group_size=G)
-    buf.load_state_dict(big_state([3, 1, 4], [None, 7, None]))
-    assert [(g.group_id, g.target_step) for g in buf.groups] == [(1, None), (2, 7), (3, None)]
-
-
-def test_over_capacity_with_a_target_step_raises_and_changes_nothing() -> None:
-    buf = ReplayBuffer(capacity=2, group_size=G)
-    add_group(buf, 50, start_weight=9)
-    add_group(buf, 51, commit=False)
-    before = snapshot(buf)
-    state = big_state([3, 1, 4], [None, 7, None])
-    with pytest.raises(ReplayBufferError, match=r"target_step") as err:
-        buf.load_state_dict(state)
-    assert "capacity" in str(err.value)
-    assert "[2]" in str(err.value)  # names the stamped group
-    assert_unchanged(buf, before)
-
+from trainer.replay import DataPlane, ReplayBuffer, ReplayBufferError, Rollout
 
 # -- commit validation and rollback -----------------------------------------------------------
 
 
-def commit_kwargs(**over: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "sample_ids": sample_ids_of(2),
-        "seq_lens": [5] * G,
-        "weight_versions": [1] * G,
-        "payload": make_payload(2),
-        "end_weight": 2,
-    }
-    kwargs.update(over)
-    return kwargs
-
-
-BAD_COMMITS = {
-    "duplicate id within the group": (
-        {"sample_ids": [200, 201, 201, 203]},
-        r"repeats a sample id",
-    ),
-    "id of another group": ({"sample_ids": [200, 201, 202, 101]}, r"\[101\] are already buffered"),
-    "too few ids": ({"sample_ids": [200, 201, 202]}, r"exactly 4 sample ids"),
-    "too many ids": ({"sample_ids": [200, 201, 202, 203, 204]}, r"exactly 4 sample ids"),
-    "too few lengths": ({"seq_lens": [5] * (G - 1)}, r"exactly 4 sample ids, lengths"),
-    "too many weight versions": ({"weight_versions": [1] * (G + 1)}, r"weight versions"),
+BAD_ROLLOUTS = {
+    "duplicate id within the group": ({"sample_ids": [200, 201, 201, 203]}, r"repeats a sample"),
+    "too few lengths": ({"seq_lens": [5] * (G - 1)}, r"4 sample ids but 3 lengths"),
+    "too many weight versions": ({"weight_versions": [1] * (G + 1)}, r"5 weight versions"),
     "payload too short": ({"payload": make_payload(2, rows=G - 1)}, r"payload batch size"),
     "payload too long": ({"payload": make_payload(2, rows=G + 1)}, r"payload batch size"),
     "payload without batch dim": (
         {"payload": TensorDict({"a": torch.zeros(G)}, batch_size=[])},
         r"payload batch size",
     ),
+    "payload not a TensorDict": ({"payload": {"a": torch.zeros(G)}}, r"must be a TensorDict"),
 }
 
 
-@pytest.mark.parametrize(("over", "match"), BAD_COMMITS.values(), ids=BAD_COMMITS.keys())
-def test_bad_commits_are_refused_before_anything_is_written(
-    over: dict[str, Any], match: str
-) -> None:
+@pytest.mark.parametrize(("over", "match"), BAD_ROLLOUTS.values(), ids=BAD_ROLLOUTS.keys())
+def test_an_inconsistent_rollout_cannot_be_made(over: dict[str, Any], match: str) -> None:
+    with pytest.raises(ReplayBufferError, match=match):
+        rollout(2, **over)
+
+
+BAD_COMMITS = {
+    "id of another group": (rollout(2, sample_ids=[200, 201, 202, 101]), r"\[101\] are already"),
+    "too few samples": (rollout(2, rows=G - 1), r"needs exactly 4 samples.*has 3"),
+    "too many samples": (rollout(2, rows=G + 1), r"needs exactly 4 samples.*has 5"),
+}
+
+
+@pytest.mark.parametrize(("bad", "match"), BAD_COMMITS.values(), ids=BAD_COMMITS.keys())
+def test_bad_commits_are_refused_before_anything_is_written(bad: Rollout, match: str) -> None:
     buf = ReplayBuffer(capacity=3, group_size=G)
     add_group(buf, 1)
     add_group(buf, 2, commit=False)
     before = snapshot(buf)
     with pytest.raises(ReplayBufferError, match=match):
-        buf.commit(2, **commit_kwargs(**over))
+        buf.commit(bad, end_weight=2)
     assert_unchanged(buf, before)
     group = buf.find(2)
     assert (group.ready, group.end_weight, group.sample_ids) == (False, -1, [])
     assert len(buf.data) == G
     # The slot is still usable.
-    buf.commit(2, **commit_kwargs())
+    buf.commit(rollout(2), end_weight=2)
     assert buf.find(2).ready
     assert len(buf.data) == 2 * G
 
@@ -454,7 +86,7 @@ def test_commit_failure_midway_rolls_back(monkeypatch: pytest.MonkeyPatch) -> No
 
     monkeypatch.setattr(DataPlane, "put", failing_put)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        buf.commit(2, **commit_kwargs())
+        buf.commit(rollout(2), end_weight=2)
     monkeypatch.undo()
     assert_unchanged(buf, before)
     assert not any(i in buf.data for i in sample_ids_of(2))
@@ -462,20 +94,8 @@ def test_commit_failure_midway_rolls_back(monkeypatch: pytest.MonkeyPatch) -> No
     assert (group.ready, group.end_weight) == (False, -1)
     assert (group.sample_ids, group.seq_lens, group.weight_versions) == ([], [], [])
     assert buf.state_dict()["groups"] == [buf.find(1).meta()]
-    buf.commit(2, **commit_kwargs())
+    buf.commit(rollout(2), end_weight=2)
     assert_bitexact(buf.data.get(sample_ids_of(2)), make_payload(2))
-
-
-def test_commit_failure_after_storing_rows_rolls_back() -> None:
-    buf = ReplayBuffer(capacity=3, group_size=G)
-    add_group(buf, 1)
-    add_group(buf, 2, commit=False)
-    before = snapshot(buf)
-    with pytest.raises(ValueError, match="invalid literal"):
-        buf.commit(2, **commit_kwargs(seq_lens=[5, 5, 5, "five"]))
-    assert_unchanged(buf, before)
-    assert not buf.find(2).ready
-    assert not any(i in buf.data for i in sample_ids_of(2))
 
 
 def test_commit_twice_or_unknown_group_is_refused() -> None:
@@ -483,10 +103,10 @@ def test_commit_twice_or_unknown_group_is_refused() -> None:
     add_group(buf, 1)
     before = snapshot(buf)
     with pytest.raises(ReplayBufferError, match="already committed"):
-        buf.commit(1, **commit_kwargs(sample_ids=[900, 901, 902, 903]))
+        buf.commit(rollout(1, sample_ids=[900, 901, 902, 903]), end_weight=2)
     assert_unchanged(buf, before)
     with pytest.raises(KeyError, match="no group 7"):
-        buf.commit(7, **commit_kwargs())
+        buf.commit(rollout(7), end_weight=2)
     assert_unchanged(buf, before)
 
 
@@ -517,149 +137,25 @@ def test_rollback_removes_a_ready_group_and_its_rows() -> None:
     assert not any(i in buf.data for i in sample_ids_of(1))
 
 
-# -- load_state_dict validation ---------------------------------------------------------------
+# -- one copy of each payload -----------------------------------------------------------------
 
 
-def valid_state() -> dict[str, Any]:
-    source = ReplayBuffer(capacity=3, group_size=G)
-    for gid in (1, 2, 3):
-        add_group(source, gid, start_weight=gid)
-    return source.state_dict()
-
-
-def last_meta(state: dict[str, Any]) -> dict[str, Any]:
-    return state["groups"][-1]
-
-
-def drop_top(key: str) -> Callable[[dict[str, Any]], None]:
-    return lambda s: s.pop(key)
-
-
-def drop_group_key(key: str) -> Callable[[dict[str, Any]], None]:
-    return lambda s: last_meta(s).pop(key)
-
-
-def set_last(key: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    return lambda s: last_meta(s).__setitem__(key, value)
-
-
-def set_payload(gid: str, value: Any) -> Callable[[dict[str, Any]], None]:
-    return lambda s: s["payloads"].__setitem__(gid, value)
-
-
-# The broken group is always the last one, so a loader that wrote groups one by one as it
-# validated them would be caught by the unchanged-buffer check.
-BAD_STATES: dict[str, tuple[Callable[[dict[str, Any]], Any], str]] = {
-    **{
-        f"no {key}": (drop_top(key), rf"lacks \['{key}'\]")
-        for key in ("group_size", "groups", "payloads")
-    },
-    **{
-        f"group without {key}": (drop_group_key(key), rf"saved group .* lacks \['{key}'\]")
-        for key in GROUP_KEYS
-    },
-    "other group size": (lambda s: s.__setitem__("group_size", G + 1), r"groups of 5 samples"),
-    "duplicate id within a group": (
-        set_last("sample_ids", [300, 301, 300, 303]),
-        r"repeats sample ids",
-    ),
-    "duplicate id across groups": (
-        set_last("sample_ids", [300, 301, 302, 101]),
-        r"repeats sample ids \[101\]",
-    ),
-    "too few ids": (set_last("sample_ids", [300, 301, 302]), r"exactly 4 sample ids"),
-    "too many ids": (set_last("sample_ids", [300, 301, 302, 303, 304]), r"exactly 4 sample ids"),
-    "too few lengths": (set_last("seq_lens", [1] * (G - 1)), r"exactly 4 sample ids"),
-    "too many weight versions": (
-        set_last("weight_versions", [1] * (G + 1)),
-        r"exactly 4 sample ids",
-    ),
-    "repeated group": (set_last("group_id", 1), r"repeats group 1"),
-    "missing payload": (lambda s: s["payloads"].pop("3"), r"missing \['3'\], extra \[\]"),
-    "extra payload": (set_payload("9", make_payload(9)), r"missing \[\], extra \['9'\]"),
-    "short payload": (
-        set_payload("3", make_payload(3, rows=G - 1)),
-        r"group 3 is not a TensorDict of 4 rows",
-    ),
-    "long payload": (
-        set_payload("3", make_payload(3, rows=G + 1)),
-        r"group 3 is not a TensorDict of 4 rows",
-    ),
-    "payload not a TensorDict": (
-        set_payload("3", {"x": torch.zeros(G, 2)}),
-        r"group 3 is not a TensorDict of 4 rows",
-    ),
-}
-
-
-@pytest.mark.parametrize(("breaks", "match"), BAD_STATES.values(), ids=BAD_STATES.keys())
-def test_bad_saved_buffers_are_refused_before_anything_is_written(
-    breaks: Callable[[dict[str, Any]], Any], match: str
-) -> None:
-    state = valid_state()
-    ReplayBuffer(capacity=3, group_size=G).load_state_dict(valid_state())  # the base is valid
-    breaks(state)
+def test_a_group_s_payload_is_kept_and_saved_without_a_copy() -> None:
     buf = ReplayBuffer(capacity=3, group_size=G)
-    add_group(buf, 50, start_weight=9)
-    add_group(buf, 51, commit=False)
-    before = snapshot(buf)
-    with pytest.raises(ReplayBufferError, match=match):
-        buf.load_state_dict(state)
-    assert_unchanged(buf, before)
-
-
-# -- deduplication across checkpoints ---------------------------------------------------------
-
-
-def big_payload(seed: int) -> TensorDict:
-    gen = torch.Generator().manual_seed(seed)
-    return TensorDict(
-        {
-            "tokens": torch.randint(0, 2**62, (G, 4096), generator=gen),
-            "logp": torch.randn(G, 8192, generator=gen),
-        },
-        batch_size=[G],
-    )
-
-
-def test_unchanged_groups_are_not_uploaded_again(run: Run, shard_writer: ShardWriter) -> None:
-    buf = ReplayBuffer(capacity=4, group_size=G)
-    for gid in (1, 2, 3, 4):
-        add_group(buf, gid, start_weight=gid, payload=big_payload(gid))
-    payload_bytes = sum(t.nbytes for t in big_payload(0).values())  # 256 KiB per group
-
-    first = shard_writer.write("replay_buffer", buf.state_dict(), kind="replay_buffer")
-    run.save(1, receipts=[first])
-    assert first.result.uploaded_bytes == first.result.stored_bytes
-    assert first.result.uploaded_bytes > 3 * payload_bytes  # random data barely compresses
-
-    # One step later: group 1 was trained on, group 5 arrived; groups 2-4 are unchanged.
-    buf.take([buf.find(1)])
-    add_group(buf, 5, start_weight=5, payload=big_payload(5))
-    second = shard_writer.write("replay_buffer", buf.state_dict(), kind="replay_buffer")
-    run.save(2, receipts=[second])
-
-    assert second.uploaded_bytes == second.result.uploaded_bytes
-    assert 0.5 * payload_bytes < second.result.uploaded_bytes < 1.5 * payload_bytes
-    assert second.result.uploaded_bytes < first.result.uploaded_bytes / 3
-    # Both checkpoints reference a full buffer of four groups.
-    assert second.result.stored_bytes == pytest.approx(first.result.stored_bytes, rel=0.1)
-    first_digests = {b.digest for b in first.result.blobs}
-    reused = [b for b in second.result.blobs if not b.uploaded]
-    fresh = [b for b in second.result.blobs if b.uploaded]
-    assert reused
-    assert {b.digest for b in reused} <= first_digests
-    assert not {b.digest for b in fresh} & first_digests
-
-    # An unchanged buffer uploads nothing at all.
-    third = shard_writer.write("replay_buffer", buf.state_dict(), kind="replay_buffer")
-    run.save(3, receipts=[third])
-    assert third.result.uploaded_bytes == 0
-    assert third.result.index_digest == second.result.index_digest
-
-    for step, gids in ((1, [1, 2, 3, 4]), (2, [2, 3, 4, 5]), (3, [2, 3, 4, 5])):
-        restored = ReplayBuffer(capacity=4, group_size=G)
-        restored.load_state_dict(run.load(step).state["replay_buffer"])
-        assert [g.group_id for g in restored.groups] == gids
-        for gid in gids:
-            assert_bitexact(restored.data.get(sample_ids_of(gid)), big_payload(gid))
+    add_group(buf, 1)
+    buf.reserve(2, prompt_id=1002, dispatch_index=2, start_weight=0)
+    done = rollout(2)
+    buf.commit(done, end_weight=1)
+    # The checkpoint gets the rollout's own TensorDict (the save's snapshot is the one copy).
+    assert buf.state_dict()["payloads"]["2"] is done.payload
+    assert buf.data.get(sample_ids_of(2)) is done.payload
+    # Other selections are new TensorDicts, row for row.
+    mixed = buf.data.get([203, 100])
+    assert mixed is not done.payload
+    assert_bitexact(mixed, torch.stack([done.payload[3], make_payload(1)[0]]))
+    reordered = buf.data.get(list(reversed(sample_ids_of(2))))
+    assert_bitexact(reordered, done.payload.flip(0))
+    ((taken, payload),) = buf.take([buf.find(2)])
+    assert taken.group_id == 2
+    assert payload is done.payload
+    assert not any(i in buf.data for i in sample_ids_of(2))

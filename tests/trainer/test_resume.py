@@ -198,7 +198,7 @@ def test_a_fork_with_a_new_seed_keeps_the_weights_and_starts_the_data_fresh(
     ck = small_config(tmp_path).checkpointing
     with open_run(summary["run"], db=ck.db, store=ck.store, writable=False) as run:
         loader = run.load(components=["dataloader"]).state["dataloader"]
-    assert loader["dataloader"]["_sampler_iter_state"]["sampler_state"]["seed"] == 4
+    assert loader["_sampler_iter_state"]["sampler_state"]["seed"] == 4
     again, lines = train(
         small_config(tmp_path, seed=4, checkpointing__fork=True, grpo__max_num_steps=6)
     )

@@ -15,6 +15,7 @@ from trainer_helpers import small_config, small_overrides, train
 
 from ckptstore.cas import blob_key
 from ckptstore.checkpointer import Run, open_run
+from ckptstore.manifest import Database
 from trainer.config import TrainerConfig
 from trainer.errors import ResumeError
 from trainer.grpo import main
@@ -325,3 +326,23 @@ def test_the_last_lines_say_what_was_saved_what_is_kept_and_where_to_look(
     assert out[-3].endswith(f"ckptstore --db {db} --store {store} runs")
     assert out[-2].endswith(f"ckptstore --db {db} --store {store} ls t")
     assert f"ckptstore --db {db} --store {store} serve" in out[-1]
+
+
+def test_a_start_opens_the_manifest_database_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The warm-up model's run, a fork's parent and the run share one Database (and store)."""
+    opened: list[str] = []
+    real_init = Database.__init__
+
+    def counting_init(self: Database, *args: Any, **kwargs: Any) -> None:
+        opened.append(str(args[0] if args else kwargs.get("url")))
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Database, "__init__", counting_init)
+    db = str(tmp_path / "manifest.db")
+    for extra in ({}, {"grpo__max_num_steps": 6}, {"seed": 4, "checkpointing__fork": True}):
+        opened.clear()
+        summary, _ = train(small_config(tmp_path, **extra))  # new, resumed, forked
+        assert opened == [db], (extra, opened)
+    assert summary["run"].startswith("t-fork-")

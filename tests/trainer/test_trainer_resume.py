@@ -12,12 +12,14 @@ from trainer_helpers import small_config, train
 
 from ckptstore.checkpointer import open_run
 from ckptstore.errors import SaveError
-from ckptstore.manifest import queries as q
+from ckptstore.manifest._orm import runs as q
+from ckptstore.manifest._sql.lookups import fetch_committed_at_step
 from ckptstore.manifest.db import Database
 from trainer.config import TrainerConfig, parse_deadline
 from trainer.controller import Controller
 from trainer.errors import ConfigurationError, ResumeError, TrainerError
-from trainer.workers import RolloutWorker
+from trainer.replay import Rollout
+from trainer.workers import RolloutRequest, RolloutWorker
 
 
 def _run(cfg: TrainerConfig) -> Any:
@@ -184,11 +186,11 @@ def test_model_config_change_is_refused_unless_forked(tmp_path: Path) -> None:
     db = Database(small_config(tmp_path).checkpointing.db)
     try:
         with db.read() as session:
-            parent = q.find_run(session, "t")
-            fork = q.find_run(session, summary["run"])
+            parent = q.load_run_row(session, "t")
+            fork = q.load_run_row(session, summary["run"])
             assert parent is not None
             assert fork is not None
-            parent_ckpt = q.committed_at_step(session, parent.id, 2)
+            parent_ckpt = fetch_committed_at_step(session, parent.id, 2)
             assert fork.parent_checkpoint_id == parent_ckpt.id
             assert fork.config["fork_init"] == "fresh"
     finally:
@@ -225,7 +227,7 @@ def test_a_failed_rollout_is_dispatched_again_and_no_prompt_is_lost(
     generate = RolloutWorker.generate
     calls = {"n": 0}
 
-    def flaky(self: RolloutWorker, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def flaky(self: RolloutWorker, requests: list[RolloutRequest]) -> list[Rollout]:
         calls["n"] += 1
         if calls["n"] in (2, 3):  # two failures in a row, then it recovers
             raise RuntimeError("rollout worker lost")
@@ -241,7 +243,7 @@ def test_a_failed_rollout_is_dispatched_again_and_no_prompt_is_lost(
 def test_rollouts_that_keep_failing_stop_training_with_a_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(self: RolloutWorker, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def broken(self: RolloutWorker, requests: list[RolloutRequest]) -> list[Rollout]:
         raise RuntimeError("rollout worker lost")
 
     monkeypatch.setattr(RolloutWorker, "generate", broken)

@@ -7,7 +7,6 @@ reaches max_num_steps=4. Once on SQLite + a local directory, once on PostgreSQL 
 
 from __future__ import annotations
 
-import os
 import secrets
 import subprocess
 import sys
@@ -15,8 +14,9 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
-from store_contract import S3Endpoint
-from trainer_helpers import small_overrides
+from trainer_helpers import checkout_env, small_overrides
+
+from ckptstore.testing.factories import S3Endpoint
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,15 +33,13 @@ def _trainer(args: list[str], env: dict[str, str]) -> subprocess.CompletedProces
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
+    return checkout_env(
         RAY_USAGE_STATS_ENABLED="0",
         RAY_AUTH_MODE="disabled",
         HOME=str(tmp_path / "home"),  # Ray's per-user files stay in the test's tmp dir
         PYTHONUNBUFFERED="1",
         **extra,
     )
-    return env
 
 
 def _two_runs(tmp_path: Path, db: str, store: str, env: dict[str, str]) -> None:
