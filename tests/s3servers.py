@@ -20,11 +20,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from moto.server import ThreadedMotoServer
+from typing import TYPE_CHECKING
 
 # Also imported from here by test modules.
 from ckptstore.testing.factories import plain_client, random_bucket_name
+
+if TYPE_CHECKING:
+    from moto.server import ThreadedMotoServer
 
 # gRPC listens on the HTTP port + 10000. Pick HTTP ports in [20000, 22768) so that both stay
 # below Linux's ephemeral range (32768+), where outgoing connections could take them first.
@@ -251,6 +253,9 @@ class MotoServer:
 @contextmanager
 def moto_server() -> Iterator[MotoServer]:
     """Run moto's server on 127.0.0.1 on a free port for the duration of the block."""
+    # Imported here: Flask and moto's backends cost collection time in every session.
+    from moto.server import ThreadedMotoServer
+
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:

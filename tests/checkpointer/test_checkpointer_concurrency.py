@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from sqlalchemy import insert, select, text
+from pg_waits import wait_for_a_lock_waiter
+from sqlalchemy import insert, select
 
 from ckptstore.cas.blobs import put_blob
 from ckptstore.cas.digest import blob_key
@@ -286,24 +287,6 @@ def test_shards_written_by_worker_processes_commit_together(
 # -- a commit racing another transaction that stores the same blob ---------------------------------
 
 
-def _wait_until_blocked(run: Run, timeout: float = 30.0) -> None:
-    """Wait until a PostgreSQL backend of this database waits on a lock."""
-    deadline = time.monotonic() + timeout
-    with run.db.engine.connect() as conn:
-        while True:
-            waiting = conn.scalar(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock'"
-                )
-            )
-            conn.rollback()
-            if waiting:
-                return
-            assert time.monotonic() < deadline, "the commit never reached the blob insert"
-            time.sleep(0.02)
-
-
 def test_commit_survives_a_concurrent_commit_of_the_same_blob(
     db_url: str, store: LocalStore
 ) -> None:
@@ -331,7 +314,7 @@ def test_commit_survives_a_concurrent_commit_of_the_same_blob(
             if run.db.is_sqlite:
                 time.sleep(0.3)  # the save waits for SQLite's write lock meanwhile
             else:
-                _wait_until_blocked(run)
+                wait_for_a_lock_waiter(run.db.engine, "the commit never reached the blob insert")
             other.commit()
         info = handle.wait(timeout=60)
         assert info.status == "committed"

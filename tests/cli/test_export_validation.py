@@ -8,7 +8,6 @@ valid digests, wrong metadata.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,12 +27,6 @@ import ckptstore
 from ckptstore.checkpointer import Run
 from ckptstore.cli import main
 from ckptstore.cli.exits import EXIT_ERROR
-
-with warnings.catch_warnings():
-    # The export imports the Megatron integration; Megatron warns at import about Apex,
-    # TransformerEngine and its own deprecated imports, which pytest would turn into errors.
-    warnings.simplefilter("ignore")
-    from ckptstore.integrations import megatron as _megatron  # noqa: F401
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pickle
 import socket
 import subprocess
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from lazy_imports import deferred
 
 import ckptstore
 from ckptstore.errors import IntegrityError, SaveError
@@ -33,14 +33,12 @@ CHILD = Path(__file__).with_name("megatron_child.py")
 WORLD = 2
 JOB_TIMEOUT = 240
 
-with warnings.catch_warnings():
-    # Megatron warns at import that Apex/TransformerEngine are missing and about its own
-    # deprecated imports; neither is ours to fix.
-    warnings.simplefilter("ignore")
-    import megatron_child as model
-    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
-
-    from ckptstore.integrations import megatron as mcore
+# Megatron-Core takes seconds to import: on first use, not when pytest collects this module.
+model = deferred("megatron_child")
+dist_checkpointing = deferred("megatron.core.dist_checkpointing")
+ShardedObject = deferred("megatron.core.dist_checkpointing", "ShardedObject")
+ShardedTensor = deferred("megatron.core.dist_checkpointing", "ShardedTensor")
+mcore = deferred("ckptstore.integrations.megatron")
 
 
 @dataclass
@@ -230,8 +228,6 @@ def test_the_common_state_is_stored_without_reading_common_pt_back(
 
 
 def test_registered_backend_loads_through_megatron_entry_points(run: Any, tmp_path: Path) -> None:
-    from megatron.core import dist_checkpointing
-
     mcore.register(run)
     directory = tmp_path / "iter_0000007"
     directory.mkdir()

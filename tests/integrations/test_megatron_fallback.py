@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from crafted_checkpoints import MEGATRON_LIES, MegatronCheckpoint, Shard, commit_megatron, rows
+from lazy_imports import deferred
 
 import ckptstore
 from ckptstore.cas import blob_key
@@ -33,13 +33,9 @@ from ckptstore.errors import CheckpointNotFoundError, IntegrityError
 from ckptstore.objectstore import LocalStore
 from ckptstore.serialize import read_index
 
-with warnings.catch_warnings():
-    # Megatron warns at import that Apex/TransformerEngine are missing and about its own
-    # deprecated imports; neither is ours to fix.
-    warnings.simplefilter("ignore")
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    from ckptstore.integrations import megatron as mcore
+# Megatron-Core takes seconds to import: on first use, not when pytest collects this module.
+ShardedTensor = deferred("megatron.core.dist_checkpointing", "ShardedTensor")
+mcore = deferred("ckptstore.integrations.megatron")
 
 #: Rows of each shard of 'w' in the damaged-data cases: 1.2 MiB, above the pack threshold, so
 #: each shard is a chunk blob of its own.

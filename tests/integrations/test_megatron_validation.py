@@ -15,7 +15,6 @@ import sys
 import tempfile
 import textwrap
 import time
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,18 +30,15 @@ from crafted_checkpoints import (
     nested,
     rows,
 )
+from lazy_imports import deferred
 
 import ckptstore
 from ckptstore.checkpointer import Run
 from ckptstore.errors import IntegrityError
 
-with warnings.catch_warnings():
-    # Megatron warns at import that Apex/TransformerEngine are missing and about its own
-    # deprecated imports; neither is ours to fix.
-    warnings.simplefilter("ignore")
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    from ckptstore.integrations import megatron as mcore
+# Megatron-Core takes seconds to import: on first use, not when pytest collects this module.
+ShardedTensor = deferred("megatron.core.dist_checkpointing", "ShardedTensor")
+mcore = deferred("ckptstore.integrations.megatron")
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +97,7 @@ def test_load_refuses_a_layout_nested_100000_deep(run: Run) -> None:
 HOLDER = textwrap.dedent(
     """
     import pathlib, sys, time
-    from ckptstore.integrations import _megatron_scratch as scratch
+    from ckptstore.integrations.megatron import _scratch as scratch
     directory = pathlib.Path(scratch.private_dir("save"))
     (directory / "metadata.json").write_text("{}")
     pathlib.Path(sys.argv[1]).write_text(str(directory))

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from sqlalchemy import select, text, update
+from pg_waits import wait_for_a_lock_waiter
+from sqlalchemy import select, update
 
 from ckptstore.cas import Kind, blob_key, digest_from_key, put_blob
 from ckptstore.cas.writer import WriterOptions
@@ -348,19 +349,7 @@ def test_two_gcs_starting_together_on_postgresql(pg_schema_url: str, store: Loca
         second = threading.Thread(target=second_gc)
         second.start()
         # Wait until the second GC is blocked on the first one's uncommitted lease row.
-        deadline = time.monotonic() + 30
-        while True:
-            with first_db.engine.connect() as conn:
-                waiting = conn.scalar(
-                    text(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND datname = current_database()"
-                    )
-                )
-            if waiting or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        assert waiting, "the second GC never reached the lease"
+        wait_for_a_lock_waiter(first_db.engine, "the second GC never reached the lease")
     finally:
         release.set()
         first.join(30)

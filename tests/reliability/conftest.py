@@ -7,11 +7,14 @@ Tests add their counts with the ``reliability_report`` fixture::
 and the session ends with lines such as ``crash points: 24 killed, 24 resumed verified, 0 lost``
 (counts summed over the tests; the keys keep their order, underscores read as spaces). These are
 the figures the README's "Reliability" section quotes from a ``make stress`` run.
+
+``sqlite_url`` is a fresh SQLite manifest for the cases that need no PostgreSQL.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -54,3 +57,9 @@ def pytest_terminal_summary(
     terminalreporter.section("reliability")
     for line in report.lines():
         terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """A fresh SQLite manifest under the test's tmp dir (for the cases that need no PostgreSQL)."""
+    return f"sqlite:///{tmp_path / 'manifest.db'}"

@@ -29,7 +29,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +50,8 @@ from concurrency_child import (
     tensor,
     write_steps,
 )
-from sqlalchemy import select, text
+from pg_waits import wait_for_a_lock_waiter
+from sqlalchemy import select
 
 from ckptstore import RetentionPolicy, Run, SaveHandle, open_run
 from ckptstore.cas import digest_from_key
@@ -724,24 +724,6 @@ class HoldOpenCommit(Database):
         return super().write(held_open, what=what)
 
 
-def wait_until_a_backend_waits_on_a_lock(db: Database, timeout: float = 30.0) -> None:
-    """Poll PostgreSQL until a backend of this database waits on a lock."""
-    deadline = time.monotonic() + timeout
-    with db.engine.connect() as conn:
-        while True:
-            waiting = conn.scalar(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                    "AND wait_event_type = 'Lock'"
-                )
-            )
-            conn.rollback()
-            if waiting:
-                return
-            assert time.monotonic() < deadline, "GC's mark never waited for the commit's lock"
-            time.sleep(0.01)
-
-
 def test_gc_mark_racing_a_commit_leaves_its_blobs_live(
     pg_schema_url: str, store: LocalStore, reliability_report: Any
 ) -> None:
@@ -766,7 +748,8 @@ def test_gc_mark_racing_a_commit_leaves_its_blobs_live(
             handle = r.save(3, x)  # x's blobs are live rows: claimed, not uploaded
             assert gate.held.wait(60), "the commit never ran"
             collector.start()
-            wait_until_a_backend_waits_on_a_lock(db)  # GC's mark waits for the commit's row lock
+            # GC's mark waits for the commit's row lock.
+            wait_for_a_lock_waiter(db.engine, "GC's mark never waited for the commit's lock")
             gate.release.set()
             info = handle.wait(60)
             collector.join(60)

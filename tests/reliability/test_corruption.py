@@ -38,7 +38,6 @@ import pytest
 import torch
 from botocore.exceptions import ClientError
 from sqlalchemy import select
-from store_contract import S3StoreFactory
 
 from ckptstore.cas import Kind, MissingBlobError, blob_key, get_blob, put_blob
 from ckptstore.cas import codec as builtin_codecs
@@ -54,6 +53,7 @@ from ckptstore.manifest.models import BlobRow, BlobState
 from ckptstore.objectstore import LocalStore, ObjectStore
 from ckptstore.serialize.index import decode_index
 from ckptstore.serialize.load import read_index
+from ckptstore.testing.factories import S3StoreFactory
 
 FAMILY = "corruption"
 #: The exhaustive single-bit sweeps, counted apart so the damage matrix's figures stay readable.

@@ -29,7 +29,6 @@ import pytest
 import torch
 from faultproxy import KINDS, TRANSIENT_KINDS, FaultProxy
 from manifest_rows import child_rows
-from store_contract import MiB, S3Endpoint, S3StoreFactory
 
 from ckptstore.checkpointer import open_run
 from ckptstore.errors import ObjectStoreError, SaveError
@@ -37,6 +36,7 @@ from ckptstore.maintenance import verify
 from ckptstore.manifest import Database
 from ckptstore.objectstore import RetryPolicy, S3Store
 from ckptstore.serialize.compare import first_difference
+from ckptstore.testing.factories import MiB, S3Endpoint, S3StoreFactory
 
 pytestmark = pytest.mark.integration
 
