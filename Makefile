@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp bench-gpu fuzz browser clean
+.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp bench-gpu bench-export bench-scale fuzz browser clean
 
 # The editable install compiles the float codec's C extension in place: a changed source
 # reinstalls (and so recompiles) it.
@@ -53,11 +53,11 @@ test-slow: $(VENV)/.installed-dev
 stress: $(VENV)/.installed-dev
 	$(PY) -m pytest tests/reliability $(PYTEST_ARGS)
 
-## lint: ruff (lint + format check) and mypy on the library
+## lint: ruff (lint + format check) and mypy on the library and the reference trainer
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy ckptstore
+	$(VENV)/bin/mypy ckptstore trainer
 
 format: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check --fix .
@@ -81,6 +81,17 @@ bench-store: $(VENV)/.installed-dev
 ## exits 0 without CUDA); installs nothing beyond the project
 bench-gpu: $(VENV)/.installed-core
 	$(PY) bench/bench_gpu.py $(BENCH_ARGS)
+
+## bench-export: peak RSS of ckptstore export (--hf, consolidated) against torch's
+## dcp_to_torch_save on a 512 MiB model (~3 min)
+bench-export: $(VENV)/.installed-dev
+	$(PY) bench/bench_export.py $(BENCH_ARGS)
+
+## bench-scale: cost curves (commit of R rank receipts, DCP metadata size, lookups at 100k
+## checkpoints, GC at 10^4-10^6 blob rows) on SQLite and PostgreSQL; BENCH_ARGS=--full for the
+## largest sizes
+bench-scale: $(VENV)/.installed-dev
+	$(PY) bench/bench_scale.py $(BENCH_ARGS)
 
 ## bench-dcp: 2-rank DCP save/load, ckptstore against DCP's FileSystemWriter/Reader (~1 min)
 bench-dcp: $(VENV)/.installed-dev

@@ -1,13 +1,17 @@
 """The README's torchrun examples run as printed: two CPU ranks each, on a fresh directory.
 
 The scripts are taken from the README itself (the python block that starts with
-``# train_dcp.py`` / ``# train_megatron.py``), so the README cannot drift from the code.
+``# train_dcp.py`` / ``# train_megatron.py`` / ``# import_example.py``), and so are the
+``ckptstore export`` / ``import`` / ``show`` command lines printed beside them, so the README
+cannot drift from the code.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +28,29 @@ def script(name: str) -> str:
     match = re.search(rf"```python\n(# {re.escape(name)}.*?)```", README.read_text(), re.S)
     assert match is not None, f"the README has no python block starting with '# {name}'"
     return match.group(1)
+
+
+def commands(prefix: str) -> list[list[str]]:
+    """The README's command lines that start with ``prefix`` (e.g. ``.venv/bin/ckptstore export
+    fsdp-demo``), comments dropped, as argument lists run with this venv's ``ckptstore``."""
+    found = []
+    for line in README.read_text().splitlines():
+        if line.startswith(prefix):
+            argv = shlex.split(line.split("  #", 1)[0])
+            found.append([str(Path(sys.executable).with_name("ckptstore")), *argv[1:]])
+    assert found, f"the README has no command line starting with {prefix!r}"
+    return found
+
+
+def run_commands(tmp_path: Path, prefix: str) -> list[str]:
+    """Run :func:`commands` in ``tmp_path``; their standard outputs."""
+    outputs = []
+    for argv in commands(prefix):
+        done = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"{argv}: {done.stderr}"
+        assert done.stderr == ""  # not even Megatron's import-time notices
+        outputs.append(done.stdout)
+    return outputs
 
 
 def torchrun(tmp_path: Path, name: str) -> str:
@@ -53,31 +80,41 @@ def torchrun(tmp_path: Path, name: str) -> str:
 def test_the_dcp_example_saves_resumes_and_exports(tmp_path: Path) -> None:
     assert "committed steps: [0, 1, 2]" in torchrun(tmp_path, "train_dcp.py")
     assert "committed steps: [0, 1, 2, 3, 4, 5]" in torchrun(tmp_path, "train_dcp.py")
-    cli = Path(sys.executable).with_name("ckptstore")
-    subprocess.run(
-        [str(cli), "export", "fsdp-demo@5", "out", "--prefix", "model"],
-        cwd=tmp_path,
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    run_commands(tmp_path, ".venv/bin/ckptstore export fsdp-demo@5")  # consolidated, then --hf
     tensors = load_file(tmp_path / "out" / "consolidated.safetensors")
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     model.load_state_dict(tensors)  # the names are the model's own
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    shard = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    assert set(shard) == set(tensors) == set(index["weight_map"])
+    assert all(torch.equal(shard[name], tensors[name]) for name in tensors)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_the_megatron_example_saves_loads_and_exports(tmp_path: Path) -> None:
     assert "fc1.weight (1024, 256)" in torchrun(tmp_path, "train_megatron.py")
-    cli = Path(sys.executable).with_name("ckptstore")
-    done = subprocess.run(
-        [str(cli), "export", "megatron-demo@100", "out"],
-        cwd=tmp_path,
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.stderr == ""  # not even Megatron's import-time notices
+    run_commands(tmp_path, ".venv/bin/ckptstore export megatron-demo@100")
     tensors = load_file(tmp_path / "out" / "consolidated.safetensors")
     assert {k: tuple(v.shape) for k, v in tensors.items()} == {"fc1.weight": (1024, 256)}
+    hf = load_file(tmp_path / "hf" / "model-00001-of-00001.safetensors")
+    assert list(hf) == ["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"]
+    assert torch.equal(hf["gpt_neox.layers.0.mlp.dense_h_to_4h.weight"], tensors["fc1.weight"])
+
+
+def test_the_import_example_imports_loads_forks_and_shows(tmp_path: Path) -> None:
+    (tmp_path / "import_example.py").write_text(script("import_example.py"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CKPTSTORE_")}
+    done = subprocess.run(
+        [sys.executable, "import_example.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (shown,) = run_commands(tmp_path, "ckptstore show base@100 --entries")
+    assert "model.w" in shown
+    assert "[4,4]" in shown
