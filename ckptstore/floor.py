@@ -21,7 +21,14 @@ from :mod:`ckptstore.errors` or from the package's top level -- never from the l
   :func:`parse_step_id` reads one from a framework's checkpoint id (``30``, ``".../step-30"``).
 - **Damage**: :func:`mark_corrupt` does what a load does with a checkpoint that fails
   verification; :class:`MissingBlobError` is the ``IntegrityError`` of a blob that is gone.
-- **Where**: :func:`open_store` and :class:`ObjectStore`; :class:`WriterOptions` tune uploads.
+- **Where**: :func:`open_store` and :class:`ObjectStore`; :class:`WriterOptions` tune uploads;
+  :func:`default_db` / :func:`default_store` are where a run goes when nothing is named, and
+  one :class:`Database` may be handed to several ``open_run`` calls (a process that opens runs
+  repeatedly keeps one connection pool).
+- **Runs and their configs** (the trainer): :func:`config_fingerprint` (what ``open_run``
+  compares), :func:`identity_changes` (the keys of a run's identity a new config would change:
+  what ``open_run(identity=...)`` refuses), :func:`parse_duration` (``30s``, ``6h``,
+  ``DD:HH:MM:SS``).
 """
 
 from __future__ import annotations
@@ -32,10 +39,13 @@ from ckptstore.cas.blobs import BlobRef, MissingBlobError
 from ckptstore.cas.digest import check_digest
 from ckptstore.cas.header import Kind
 from ckptstore.cas.writer import WriterOptions
+from ckptstore.checkpointer.open import config_fingerprint, identity_changes
 from ckptstore.checkpointer.restore import mark_corrupt
 from ckptstore.checkpointer.run import Run
 from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
 from ckptstore.checkpointer.snapshot import HostBuffers
+from ckptstore.durations import parse_duration
+from ckptstore.manifest import Database
 from ckptstore.manifest.records import CheckpointInfo, ComponentInfo
 from ckptstore.names import check_step, parse_step_id
 from ckptstore.objectstore import ObjectStore, open_store
@@ -43,6 +53,7 @@ from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 from ckptstore.serialize.index import MAX_DIMS, Entry
 from ckptstore.serialize.reader import BlobCache, ComponentReader
 from ckptstore.serialize.save import ComponentResult, flatten_state
+from ckptstore.settings import default_db, default_store
 
 __all__ = [
     "MAX_DIMS",
@@ -50,6 +61,7 @@ __all__ = [
     "CheckpointInfo",
     "ComponentInfo",
     "ComponentReader",
+    "Database",
     "Entry",
     "HostBuffers",
     "MissingBlobError",
@@ -61,6 +73,11 @@ __all__ = [
     "check_digest",
     "check_savable",
     "check_step",
+    "config_fingerprint",
+    "default_db",
+    "default_store",
+    "identity_changes",
+    "parse_duration",
     "parse_step_id",
     "mark_corrupt",
     "open_store",

@@ -40,9 +40,7 @@ from ckptstore import (
     open_store,
     run_info,
 )
-from ckptstore.checkpointer.open import identity_changes
-from ckptstore.manifest import Database
-from ckptstore.settings import default_store
+from ckptstore.floor import Database, default_store, identity_changes
 from trainer.config import (
     TrainerConfig,
     architecture_changed,

@@ -18,9 +18,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ckptstore.checkpointer import config_fingerprint
-from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
+from ckptstore.floor import config_fingerprint, parse_duration
 from trainer.errors import ConfigurationError
 
 BACKENDS = ("ray", "local")

@@ -211,8 +211,10 @@ class PromptStream:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue where ``state`` left off; ValueError if malformed or of another seed/dataset."""
-        self.loader.load_state_dict(self._check_loader_state(state))
+        """Continue where ``state`` left off; ValueError if malformed or of another seed/dataset.
+        A state of the earlier layout (``{"epoch", "dataloader"}``: the stream's epoch saved
+        beside the sampler's own) is read too, once its two epochs are found to agree."""
+        self.loader.load_state_dict(self._check_loader_state(_current_layout(state)))
         # Apply it now (torchdata would on the next iter()), so the sampler holds the position
         # and the epoch.
         self._iter = iter(self.loader)
@@ -243,3 +245,31 @@ class PromptStream:
         _int_field(sampler_iter, "samples_yielded", f"{where} {_LOADER_SAMPLER_ITER!r}")
         self.sampler.check_state(sampler_iter[_BATCH_SAMPLER_STATE], f"{where} sampler state")
         return loader_state
+
+
+def _current_layout(state: Any) -> Any:
+    """``state`` in this version's layout: the loader's state alone. The earlier layout kept the
+    stream's epoch beside it (always equal to the sampler's epoch inside; a checkpoint whose two
+    epochs disagree is refused)."""
+    if not isinstance(state, Mapping) or set(state) != {"epoch", "dataloader"}:
+        return state
+    loader = _mapping(state["dataloader"], "data state 'dataloader'")
+    sampler = _sampler_epoch(loader)
+    if sampler is not None and sampler != state["epoch"]:
+        raise ValueError(
+            f"data state: epoch {state['epoch']!r} beside a sampler at epoch {sampler}; the "
+            "checkpoint is inconsistent"
+        )
+    return loader
+
+
+def _sampler_epoch(loader_state: Mapping[str, Any]) -> Any:
+    """The epoch the loader state's ``EpochSampler`` records, wherever torchdata nests it."""
+    for value in loader_state.values():
+        if isinstance(value, Mapping):
+            if "epoch" in value and "seed" in value:
+                return value["epoch"]
+            found = _sampler_epoch(value)
+            if found is not None:
+                return found
+    return None

@@ -20,6 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ckptstore import open_run
+
 README = Path(__file__).resolve().parents[2] / "README.md"
 TEARDOWN_ABORT = "terminate called without an active exception"
 
@@ -80,6 +82,15 @@ def torchrun(tmp_path: Path, name: str) -> str:
 def test_the_dcp_example_saves_resumes_and_exports(tmp_path: Path) -> None:
     assert "committed steps: [0, 1, 2]" in torchrun(tmp_path, "train_dcp.py")
     assert "committed steps: [0, 1, 2, 3, 4, 5]" in torchrun(tmp_path, "train_dcp.py")
+    with open_run(
+        "fsdp-demo",
+        db=tmp_path / ".ckptstore" / "manifest.db",
+        store=tmp_path / ".ckptstore" / "store",
+        writable=False,
+    ) as run:  # expect_changed=True found no rank saving stale weights
+        assert [(c.training_info or {}).get("stale_components") for c in run.checkpoints()] == [
+            None
+        ] * 6
     run_commands(tmp_path, ".venv/bin/ckptstore export fsdp-demo@5")  # consolidated, then --hf
     tensors = load_file(tmp_path / "out" / "consolidated.safetensors")
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))

@@ -85,6 +85,21 @@ def test_resume_after_any_batch_continues_identically(reference: list[list[int]]
     assert t.epoch == EPOCHS
 
 
+@pytest.mark.parametrize("cut", [0, 3, ITEMS // BATCH + 1])
+def test_a_state_of_the_earlier_layout_resumes_identically(
+    reference: list[list[int]], cut: int
+) -> None:
+    """Checkpoints written before the epoch lived in the sampler alone still resume."""
+    s = stream()
+    head = take(s, cut)
+    earlier = {"epoch": s.epoch, "dataloader": s.state_dict()}
+    t = resumed(earlier)
+    assert t.state_dict() == s.state_dict()
+    assert head + take(t) == reference
+    with pytest.raises(ValueError, match="inconsistent"):
+        resumed({"epoch": s.epoch + 1, "dataloader": s.state_dict()})
+
+
 def test_state_after_the_last_batch_stays_finished(reference: list[list[int]]) -> None:
     s = stream()
     assert take(s) == reference
