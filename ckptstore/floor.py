@@ -18,7 +18,10 @@ from :mod:`ckptstore.errors` or from the package's top level -- never from the l
   and verified once). :class:`Entry` is what an index lists; :func:`torch_dtype` /
   :func:`torch_dtype_name` translate its dtype names, :data:`MAX_DIMS` bounds its shapes and
   :func:`check_digest` checks a digest read from a document; :func:`check_step` a step, and
-  :func:`parse_step_id` reads one from a framework's checkpoint id (``30``, ``".../step-30"``).
+  :func:`parse_step_id` reads one from a framework's checkpoint id (``30``, ``".../step-30"``);
+  :class:`SourceTensor` / :class:`Piece` describe a sharded checkpoint's tensor as the entries
+  that tile it; :func:`check_shape` / :func:`check_tiling` check such a tensor's declared
+  layout (chunks inside it, not overlapping, covering it exactly) before anything is allocated.
 - **Damage**: :func:`mark_corrupt` does what a load does with a checkpoint that fails
   verification; :class:`MissingBlobError` is the ``IntegrityError`` of a blob that is gone.
 - **Where**: :func:`open_store` and :class:`ObjectStore`; :class:`WriterOptions` tune uploads;
@@ -51,12 +54,15 @@ from ckptstore.names import check_step, parse_step_id
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 from ckptstore.serialize.index import MAX_DIMS, Entry
+from ckptstore.serialize.pieces import Piece, SourceTensor
 from ckptstore.serialize.reader import BlobCache, ComponentReader
 from ckptstore.serialize.save import ComponentResult, flatten_state
+from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.settings import default_db, default_store
 
 __all__ = [
     "MAX_DIMS",
+    "WRONG_METADATA",
     "BlobCache",
     "CheckpointInfo",
     "ComponentInfo",
@@ -66,12 +72,16 @@ __all__ = [
     "HostBuffers",
     "MissingBlobError",
     "ObjectStore",
+    "Piece",
     "Run",
     "ShardReceipt",
     "ShardWriter",
+    "SourceTensor",
     "WriterOptions",
     "check_digest",
     "check_savable",
+    "check_shape",
+    "check_tiling",
     "check_step",
     "config_fingerprint",
     "default_db",

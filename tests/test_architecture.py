@@ -223,9 +223,7 @@ TRAINER_ALSO: frozenset[str] = frozenset()
 #: ``last_save_in_hf`` writes the Hugging Face files ``ckptstore export --hf`` writes, with the
 #: export's own code (one layer, not a copy; imported only when asked for).
 INTEGRATIONS_ALSO = {
-    "ckptstore.integrations.torchtitan._hf": frozenset(
-        {"ckptstore.maintenance.export_sources", "ckptstore.maintenance.hfexport"}
-    ),
+    "ckptstore.integrations.torchtitan._hf": frozenset({"ckptstore.maintenance.hfexport"}),
 }
 
 
@@ -294,7 +292,7 @@ def test_the_trainer_imports_only_the_floor_and_its_listed_internals() -> None:
         ("from ckptstore.floor import Run", True),
         ("from ckptstore import errors", True),
         ("from ckptstore.integrations.dcp._metadata import rank_component", True),
-        ("from ckptstore.integrations._common.tiling import check_tiling", True),
+        ("from ckptstore.integrations._common.names import DCP_METADATA", True),
         ("from ckptstore.manifest import reading", False),
         ("from ckptstore import manifest", False),
         ("import ckptstore.serialize.reader", False),

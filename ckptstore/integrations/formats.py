@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.integrations._common.names import DCP_METADATA, MEGATRON_META
 
 if TYPE_CHECKING:
-    from ckptstore.floor import CheckpointInfo, ComponentInfo, ObjectStore
+    from ckptstore.floor import CheckpointInfo, ComponentInfo, ObjectStore, SourceTensor
 
 #: Checks a checkpoint of the format in a store: ``(store, info)``; raises what a load raises.
 Check = Callable[["ObjectStore", "CheckpointInfo"], None]
@@ -30,6 +30,9 @@ Check = Callable[["ObjectStore", "CheckpointInfo"], None]
 #: value's kind), ``dtype`` and ``shape`` (global; None for values) and ``ranks`` (whose
 #: components hold its data).
 Items = Callable[["ObjectStore", "CheckpointInfo"], list[dict[str, Any]]]
+#: A checkpoint's whole tensors as the stored pieces that tile each (``export`` plans and
+#: streams its files from these), after the checks a load makes.
+Tensors = Callable[["ObjectStore", "CheckpointInfo"], list["SourceTensor"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,8 @@ class Format:
     items: Items
     #: How people call it ("torch DCP").
     title: str
+    #: Its whole tensors as stored pieces (``ckptstore export``).
+    tensors: Tensors
 
     def detect(self, component_names: Iterable[str]) -> bool:
         """Whether a checkpoint with these components is of this format."""
@@ -76,8 +81,27 @@ def _megatron_items(store: ObjectStore, info: CheckpointInfo) -> list[dict[str, 
     return state_dict_items(store, info)
 
 
-DCP = Format("dcp", DCP_METADATA, _validate_dcp, _dcp_items, "torch DCP")
-MEGATRON = Format("megatron", MEGATRON_META, _validate_megatron, _megatron_items, "Megatron-Core")
+def _dcp_tensors(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor]:
+    from ckptstore.integrations.dcp._reader import tensor_sources
+
+    return tensor_sources(store, info)
+
+
+def _megatron_tensors(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor]:
+    from ckptstore.integrations._common.megatron_source import tensor_sources
+
+    return tensor_sources(store, info)
+
+
+DCP = Format("dcp", DCP_METADATA, _validate_dcp, _dcp_items, "torch DCP", _dcp_tensors)
+MEGATRON = Format(
+    "megatron",
+    MEGATRON_META,
+    _validate_megatron,
+    _megatron_items,
+    "Megatron-Core",
+    _megatron_tensors,
+)
 #: Every format, in the order they are tried.
 FORMATS = (DCP, MEGATRON)
 

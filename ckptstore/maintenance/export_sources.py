@@ -1,9 +1,10 @@
 """The whole tensors an export writes, described before any data is read, and put together one
 at a time from the stored pieces.
 
-A :class:`SourceTensor` is a tensor's name, dtype and shape with the stored pieces (one entry of
-a component each, at an offset) that tile it -- what a DCP checkpoint's metadata or a Megatron
-checkpoint's layout says, checked by the integration before anything is read. An export plans
+A :class:`~ckptstore.serialize.pieces.SourceTensor` is a tensor's name, dtype and shape with the
+stored pieces (one entry of a component each, at an offset) that tile it -- what a DCP
+checkpoint's metadata or a Megatron checkpoint's layout says, checked by the integration before
+anything is read (``Format.tensors`` in ``ckptstore.integrations.formats``). An export plans
 its files from these alone, then calls :meth:`PieceReader.assemble` for one tensor at a time.
 
 :class:`PieceReader` fetches every blob once over the whole export: a blob that several of the
@@ -15,44 +16,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ckptstore.errors import ConfigError, IntegrityError
 from ckptstore.serialize.assemble import with_context
 from ckptstore.serialize.dtypes import torch_dtype
+from ckptstore.serialize.pieces import Piece, SourceTensor
 from ckptstore.serialize.reader import BlobCache
 
 if TYPE_CHECKING:
     import torch
 
-    from ckptstore.manifest.records import CheckpointInfo
     from ckptstore.objectstore import ObjectStore
-    from ckptstore.serialize.index import Entry
-    from ckptstore.serialize.reader import ComponentReader
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """One stored box of a tensor: an array entry of a component, placed at ``offsets``."""
-
-    reader: ComponentReader
-    entry: Entry
-    offsets: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SourceTensor:
-    """A whole tensor of a checkpoint and the stored pieces that tile it."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    def renamed(self, name: str) -> SourceTensor:
-        """The same tensor under another name."""
-        return SourceTensor(name, self.dtype, self.shape, self.pieces)
 
 
 def with_prefix(sources: Iterable[SourceTensor], key: str) -> list[SourceTensor]:
@@ -108,51 +83,6 @@ class PieceReader:
         return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(entry.shape)
 
 
-# -- the checkpoints that consolidate ---------------------------------------------------------
-
-
-def dcp_sources(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor]:
-    """The tensors of a torch DCP checkpoint, by fqn, after the checks a load makes."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    from ckptstore.integrations.dcp import CkptStoreReader
-    from ckptstore.integrations.dcp._validate import item_entry
-
-    reader = CkptStoreReader.for_checkpoint(store, info)
-    stored = reader.validate()
-    locations = stored.metadata.storage_data
-    sources = []
-    for fqn, md in stored.metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            continue
-        pieces = []
-        for chunk in md.chunks:
-            location = locations[MetadataIndex(fqn, chunk.offsets)]
-            rank_reader = reader._rank_reader(stored, location.rank)
-            _, entry = item_entry(rank_reader, location.position)
-            pieces.append(Piece(rank_reader, entry, tuple(chunk.offsets)))
-        sources.append(SourceTensor(fqn, md.properties.dtype, tuple(md.size), tuple(pieces)))
-    return sources
-
-
-def megatron_sources(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor]:
-    """The tensors of a Megatron-Core checkpoint, by ShardedTensor key, after the checks a
-    load makes (Megatron itself is not imported)."""
-    from ckptstore.integrations._common.megatron_source import Source
-
-    source = Source(store, info)
-    source.validate()
-    sources = []
-    for key, shards in source.layout.by_key().items():
-        pieces = []
-        for shard in shards:
-            reader = source.reader(shard.component)
-            pieces.append(Piece(reader, reader.entry(shard.path), shard.offset))
-        first = shards[0]
-        sources.append(SourceTensor(key, first.torch_dtype, first.global_shape, tuple(pieces)))
-    return sources
-
-
 def iter_assembled(
     store: ObjectStore, sources: list[SourceTensor], context: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -160,3 +90,6 @@ def iter_assembled(
     reader = PieceReader(store, sources, context)
     for source in sources:
         yield source.name, reader.assemble(source)
+
+
+__all__ = ["Piece", "PieceReader", "SourceTensor", "iter_assembled", "with_prefix"]

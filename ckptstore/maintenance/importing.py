@@ -36,7 +36,6 @@ from ckptstore.errors import (
     ConfigError,
     SerializationError,
 )
-from ckptstore.integrations._common.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.maintenance._dcp_pickle import (
     ForbiddenPickleError,
     load_metadata,
@@ -45,6 +44,7 @@ from ckptstore.maintenance._dcp_pickle import (
 from ckptstore.manifest import reading as reads
 from ckptstore.manifest.models import Trigger
 from ckptstore.manifest.records import CheckpointInfo
+from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 
 if TYPE_CHECKING:
     from ckptstore.checkpointer.run import Run

@@ -33,8 +33,8 @@ from ckptstore.cas import blob_key
 from ckptstore.checkpointer import Run
 from ckptstore.errors import CkptStoreError, IntegrityError
 from ckptstore.integrations import dcp as ckpt_dcp
-from ckptstore.integrations._common.tiling import MAX_SPLIT_AXES, check_shape, check_tiling
 from ckptstore.serialize.reader import ComponentReader
+from ckptstore.serialize.tiling import MAX_SPLIT_AXES, check_shape, check_tiling
 
 SENTINEL = -7.0
 

@@ -14,7 +14,7 @@ from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import emit, progress, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import ConfigError
-from ckptstore.integrations.formats import DCP, MEGATRON, format_of
+from ckptstore.integrations.formats import format_of
 from ckptstore.maintenance import export_component
 from ckptstore.maintenance.export import FORMATS, check_output_dir, export_tensors, safe_path
 from ckptstore.maintenance.hfexport import (
@@ -195,12 +195,4 @@ def export_consolidated(
 def consolidated_sources(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor] | None:
     """The whole tensors of a multi-rank checkpoint (DCP or Megatron), None for any other."""
     found = format_of(info)
-    if found is DCP:
-        from ckptstore.maintenance.export_sources import dcp_sources
-
-        return dcp_sources(store, info)
-    if found is MEGATRON:
-        from ckptstore.maintenance.export_sources import megatron_sources
-
-        return megatron_sources(store, info)
-    return None
+    return None if found is None else found.tensors(store, info)

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
-from ckptstore.floor import torch_dtype, torch_dtype_name
+from ckptstore.floor import WRONG_METADATA, check_shape, check_tiling, torch_dtype, torch_dtype_name
 from ckptstore.integrations._common.names import MEGATRON_META
-from ckptstore.integrations._common.tiling import WRONG_METADATA, check_shape, check_tiling
 
 #: The component of rank ``r`` is ``SHARD_PREFIX + str(r)``.
 SHARD_PREFIX = "megatron/rank"

@@ -12,7 +12,14 @@ from typing import Any
 import torch
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, UnreadableError
-from ckptstore.floor import CheckpointInfo, ComponentReader, ObjectStore
+from ckptstore.floor import (
+    WRONG_METADATA,
+    CheckpointInfo,
+    ComponentReader,
+    ObjectStore,
+    Piece,
+    SourceTensor,
+)
 from ckptstore.integrations._common.megatron_layout import (
     COMMON,
     FORMAT,
@@ -26,7 +33,6 @@ from ckptstore.integrations._common.megatron_layout import (
     overlap,
     tensor_box,
 )
-from ckptstore.integrations._common.tiling import WRONG_METADATA
 
 #: metadata.json's fields (Megatron's CheckpointingConfig); nothing else is staged.
 CONFIG_FIELDS = {
@@ -257,3 +263,19 @@ def state_dict_items(store: ObjectStore, info: CheckpointInfo) -> list[dict[str,
 def _rank_of(component: str) -> int:
     """``megatron/rank3`` -> 3."""
     return int(component.rsplit("rank", 1)[1])
+
+
+def tensor_sources(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor]:
+    """The tensors of the checkpoint, by ShardedTensor key, as the stored pieces that tile each
+    (see ``formats.Tensors``), after the checks a load makes (Megatron itself is not imported)."""
+    source = Source(store, info)
+    source.validate()
+    sources = []
+    for key, shards in source.layout.by_key().items():
+        pieces = []
+        for shard in shards:
+            reader = source.reader(shard.component)
+            pieces.append(Piece(reader, reader.entry(shard.path), shard.offset))
+        first = shards[0]
+        sources.append(SourceTensor(key, first.torch_dtype, first.global_shape, tuple(pieces)))
+    return sources

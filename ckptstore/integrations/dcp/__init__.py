@@ -26,12 +26,13 @@ read-only run or just the store. Loading needs the metadata component's digest (
 finds it); every rank then reads only the blobs that hold the boxes it asks for.
 
 Before anything is read, the metadata is checked as a whole: every tensor's chunks tile it
-exactly and its shape is one a tensor can have (``_common.tiling``), every chunk and value has
-one location (``_validate``), and each rank component, when opened, holds what the metadata
-places in it. A checkpoint that fails is treated like a corrupt one: ``IntegrityError``, and
-``load`` falls back to the previous committed checkpoint. The writer is in ``_writer``, the
-reader in ``_reader``, the no-pickle planners in ``_planners`` (plain values as JSON:
-``_plainvalues``) and the metadata document in ``_metadata``; this module is the public face.
+exactly and its shape is one a tensor can have (``ckptstore.serialize.tiling``), every chunk
+and value has one location (``_validate``), and each rank component, when opened, holds what
+the metadata places in it. A checkpoint that fails is treated like a corrupt one:
+``IntegrityError``, and ``load`` falls back to the previous committed checkpoint. The writer
+is in ``_writer``, the reader in ``_reader``, the no-pickle planners in ``_planners`` (plain
+values as JSON: ``_plainvalues``) and the metadata document in ``_metadata``; this module is
+the public face.
 """
 
 from __future__ import annotations

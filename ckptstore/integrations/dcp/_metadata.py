@@ -3,7 +3,7 @@
 DCP's own ``FileSystemWriter`` pickles ``Metadata`` (every rank unpickles it on load). Here it
 is a JSON document stored as one value of the checkpoint's ``dcp/metadata`` component, and
 decoding it builds only DCP's plain dataclasses, validating every field first -- each tensor's
-chunks must tile it exactly (:mod:`ckptstore.integrations._common.tiling`) before torch sees a size.
+chunks must tile it exactly (:mod:`ckptstore.serialize.tiling`) before torch sees a size.
 
 The document also says where each written item lives: the rank whose component holds it and
 its position in that component's item list, and each rank component's index digest -- so a
@@ -37,9 +37,15 @@ from ckptstore.errors import (
     SerializationError,
     UnreadableError,
 )
-from ckptstore.floor import check_digest, torch_dtype, torch_dtype_name
+from ckptstore.floor import (
+    WRONG_METADATA,
+    check_digest,
+    check_shape,
+    check_tiling,
+    torch_dtype,
+    torch_dtype_name,
+)
 from ckptstore.integrations._common.names import DCP_METADATA
-from ckptstore.integrations._common.tiling import WRONG_METADATA, check_shape, check_tiling
 
 FORMAT = "ckptstore/dcp-metadata"
 VERSION = 1

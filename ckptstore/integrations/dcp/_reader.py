@@ -33,7 +33,9 @@ from ckptstore.floor import (
     ComponentReader,
     Entry,
     ObjectStore,
+    Piece,
     Run,
+    SourceTensor,
     open_store,
     torch_dtype,
 )
@@ -378,3 +380,23 @@ def state_dict_items(store: ObjectStore, info: CheckpointInfo) -> list[dict[str,
             item |= {"kind": "tensor", "dtype": dtype, "shape": list(md.size)}
         items.append(item | {"ranks": sorted(ranks.get(fqn, ()))})
     return items
+
+
+def tensor_sources(store: ObjectStore, info: CheckpointInfo) -> list[SourceTensor]:
+    """The tensors of the checkpoint, by fqn, as the stored pieces that tile each (see
+    ``formats.Tensors``), after the checks a load makes; nothing else is read."""
+    reader = CkptStoreReader.for_checkpoint(store, info)
+    stored = reader.validate()
+    locations = stored.metadata.storage_data
+    sources = []
+    for fqn, md in stored.metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        pieces = []
+        for chunk in md.chunks:
+            location = locations[MetadataIndex(fqn, chunk.offsets)]
+            rank_reader = reader._rank_reader(stored, location.rank)
+            _, entry = item_entry(rank_reader, location.position)
+            pieces.append(Piece(rank_reader, entry, tuple(chunk.offsets)))
+        sources.append(SourceTensor(fqn, md.properties.dtype, tuple(md.size), tuple(pieces)))
+    return sources

@@ -21,8 +21,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ckptstore.errors import IntegrityError
-from ckptstore.floor import ComponentReader, Entry, torch_dtype
-from ckptstore.integrations._common.tiling import WRONG_METADATA
+from ckptstore.floor import WRONG_METADATA, ComponentReader, Entry, torch_dtype
 from ckptstore.integrations.dcp._metadata import StoredMetadata, rank_component
 
 

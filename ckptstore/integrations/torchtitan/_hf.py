@@ -15,6 +15,7 @@ import torch
 
 from ckptstore.errors import ConfigError
 from ckptstore.floor import CheckpointInfo, Run
+from ckptstore.integrations.formats import DCP
 
 #: The command that makes the same export by hand (named when this build cannot).
 EXPORT_COMMAND = "ckptstore export RUN@STEP DIR --hf"
@@ -24,7 +25,6 @@ def export_last(run: Run, info: CheckpointInfo, directory: Path, sd_adapter: Any
     """Write ``info`` (a model-only DCP checkpoint of ``run``) to ``directory`` as Hugging Face
     shards, names mapped by ``sd_adapter.to_hf``; returns the files written."""
     try:
-        from ckptstore.maintenance.export_sources import dcp_sources
         from ckptstore.maintenance.hfexport import export_hf
     except ImportError as missing:
         raise ConfigError(
@@ -36,7 +36,7 @@ def export_last(run: Run, info: CheckpointInfo, directory: Path, sd_adapter: Any
     context = f"run {run.name!r}, step {info.step}"
     return export_hf(
         run.store,
-        dcp_sources(run.store, info),
+        DCP.tensors(run.store, info),
         directory,
         mapping=hf_names(sd_adapter),
         context=context,

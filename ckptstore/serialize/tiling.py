@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 
 from ckptstore.errors import CkptStoreError, IntegrityError
-from ckptstore.floor import MAX_DIMS
+from ckptstore.serialize.index import MAX_DIMS
 
 #: The most axes along which one tensor may be split (the check's cost doubles with each).
 MAX_SPLIT_AXES = 8
