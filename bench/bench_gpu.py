@@ -68,6 +68,14 @@ class Row:
     steady_s: list[float] = field(default_factory=list)
     complete_s: list[float] = field(default_factory=list)
 
+    def add(self, rep: int, blocked: float, complete: float) -> None:
+        """Repetition ``rep``'s blocked and complete seconds (the first save stands apart)."""
+        if rep == 0:
+            self.first_s = blocked
+        else:
+            self.steady_s.append(blocked)
+            self.complete_s.append(complete)
+
     @property
     def steady_median(self) -> float:
         return statistics.median(self.steady_s) if self.steady_s else float("nan")
@@ -145,12 +153,7 @@ def time_ckptstore(
             handle = run.save(rep, {"state": state})
             blocked = time.perf_counter() - start
             handle.wait()
-            complete = time.perf_counter() - start
-            if rep == 0:
-                row.first_s = blocked
-            else:
-                row.steady_s.append(blocked)
-                row.complete_s.append(complete)
+            row.add(rep, blocked, time.perf_counter() - start)
     finally:
         run.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -186,13 +189,8 @@ def time_dcp(state: dict[str, torch.Tensor], scratch: Path, reps: int, device: t
             blocked = time.perf_counter() - start
             upload = getattr(response, "upload_completion", response)
             upload.result()
-            complete = time.perf_counter() - start
+            row.add(rep, blocked, time.perf_counter() - start)
             shutil.rmtree(target, ignore_errors=True)
-            if rep == 0:
-                row.first_s = blocked
-            else:
-                row.steady_s.append(blocked)
-                row.complete_s.append(complete)
     finally:
         stager.close()
     return row

@@ -7,6 +7,7 @@ failure nobody has seen yet surfaces there (or at ``finalize()``/``close()``), n
 
 from __future__ import annotations
 
+import abc
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,7 @@ def close_on_exit(close: Callable[[], None], exc: BaseException | None, what: st
             exc.add_note(f"ckptstore: caused by {flush_error.__cause__!r}")
 
 
-class Pending(Generic[R]):
+class Pending(abc.ABC, Generic[R]):
     """A save running in the background (a :class:`SaveHandle`, a shard writer's save): its
     future, and whether its failure has been reported. A subclass says what that failure is
     raised as (:meth:`_failure`); :class:`OneInFlight` raises an unseen one at the next save."""
@@ -49,9 +50,9 @@ class Pending(Generic[R]):
         """True once the save finished or failed."""
         return self._future.done()
 
+    @abc.abstractmethod
     def _failure(self, error: BaseException) -> BaseException:
         """What a caller waiting on this save gets when it failed with ``error``."""
-        raise NotImplementedError
 
     def _previous_failure(self, error: BaseException) -> BaseException:
         """What the next save (or ``finalize``) raises for this save's unseen failure."""

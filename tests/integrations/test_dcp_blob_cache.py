@@ -4,46 +4,17 @@ tensors, one chunk that two identical tensors deduplicate to -- and nothing else
 
 from __future__ import annotations
 
-import threading
-from collections import Counter
 from collections.abc import Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from counting_store import CountingStore
 
 import ckptstore
 from ckptstore.checkpointer import Run
 from ckptstore.integrations import dcp as ckpt_dcp
-from ckptstore.objectstore import LocalStore
-from ckptstore.objectstore.base import ObjectReader
-
-
-class CountingStore(LocalStore):
-    """A real local store that counts the reads of each key."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)
-        self.reads: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def _count(self, key: str) -> None:
-        with self._lock:
-            self.reads[key] += 1
-
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
-        self._count(key)
-        return super().get(key, byte_range)
-
-    def get_view(self, key: str) -> memoryview:
-        self._count(key)
-        return super().get_view(key)
-
-    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
-        self._count(key)
-        return super().open_reader(key)
 
 
 @pytest.fixture

@@ -6,15 +6,14 @@ against a real directory store.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from counting_store import CountingStore
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -31,28 +30,9 @@ from ckptstore.maintenance.hfexport import (
 from ckptstore.maintenance.hfnames import megatron_to_hf
 from ckptstore.maintenance.safetensors_writer import SafetensorsFile, TensorSpec, save_tensors
 from ckptstore.objectstore import LocalStore
-from ckptstore.objectstore.base import ObjectReader
 from ckptstore.serialize.reader import ComponentReader
 
 MiB = 1 << 20
-
-
-class CountingStore(LocalStore):
-    """A directory store that counts how often each object is read."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)
-        self.reads: dict[str, int] = {}
-
-    def get_view(self, key: str) -> memoryview:
-        self.reads[key] = self.reads.get(key, 0) + 1
-        return super().get_view(key)
-
-    @contextlib.contextmanager
-    def open_reader(self, key: str) -> Iterator[ObjectReader]:
-        self.reads[key] = self.reads.get(key, 0) + 1
-        with super().open_reader(key) as reader:
-            yield reader
 
 
 def spec(name: str, t: torch.Tensor) -> TensorSpec:

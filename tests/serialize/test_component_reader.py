@@ -5,8 +5,6 @@ component."""
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 from component_helpers import random_bytes, save
+from counting_store import CountingStore
 
 from ckptstore.cas import Kind, blob_key, put_blob
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore import LocalStore
-from ckptstore.objectstore.base import ObjectReader
 from ckptstore.serialize import (
     ComponentReader,
     ComponentResult,
@@ -31,31 +29,6 @@ from ckptstore.serialize.compare import first_difference
 
 MiB = 1 << 20
 CONTEXT = "run 'r', step 3, component 'policy'"
-
-
-class CountingStore(LocalStore):
-    """A real LocalStore that counts the reads of each key."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)
-        self.reads: Counter[str] = Counter()
-        self._lock = threading.Lock()
-
-    def _count(self, key: str) -> None:
-        with self._lock:
-            self.reads[key] += 1
-
-    def get(self, key: str, byte_range: tuple[int, int] | None = None) -> bytearray:
-        self._count(key)
-        return super().get(key, byte_range)
-
-    def get_view(self, key: str) -> memoryview:
-        self._count(key)
-        return super().get_view(key)
-
-    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
-        self._count(key)
-        return super().open_reader(key)
 
 
 def state() -> dict[str, Any]:
