@@ -41,7 +41,6 @@ from ckptstore.maintenance._dcp_pickle import (
     load_metadata,
     load_torch_saved,
 )
-from ckptstore.manifest import reading as reads
 from ckptstore.manifest.models import Trigger
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
@@ -129,7 +128,7 @@ def detect_format(path: Path) -> str:
 
 def _check_step_free(run: Run, step: int) -> None:
     try:
-        reads.committed_at(run.db, (run.id, run.name), step)
+        run.checkpoint(step)
     except CheckpointNotFoundError:
         return
     raise ConfigError(

@@ -101,7 +101,8 @@ def record_blobs(
     ]
     if new_rows:
         # Another transaction may insert the same new blob concurrently (two runs saving
-        # the same weights): its row wins, and is claimed below like any existing one.
+        # the same weights): its row wins -- live and claimed just now, and GC cannot run
+        # before we commit (the commit holds the GC lock shared) -- and is referenced below.
         session.execute(insert_ignoring_duplicates(session, BlobRow), new_rows)
     claimed = [d for d in unique if d in existing]
     for i in range(0, len(claimed), BATCH):
