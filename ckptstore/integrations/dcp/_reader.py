@@ -39,6 +39,7 @@ from ckptstore.floor import (
     open_store,
     torch_dtype,
 )
+from ckptstore.integrations.dcp import _plan
 from ckptstore.integrations.dcp._metadata import (
     METADATA_COMPONENT,
     METADATA_FORMAT,
@@ -111,6 +112,8 @@ class CkptStoreReader(StorageReader):
         max_workers: int = 8,
     ) -> CkptStoreReader:
         """The reader for the checkpoint ``info`` describes."""
+        if component == METADATA_COMPONENT:
+            return cls.for_plan(store, _plan.LoadPlan(info), max_workers=max_workers)
         digest = next((c.index_digest for c in info.components if c.name == component), None)
         if digest is None:
             raise ComponentNotFoundError(
@@ -118,8 +121,22 @@ class CkptStoreReader(StorageReader):
                 f"saved through torch DCP with ckptstore (components: "
                 f"{sorted(c.name for c in info.components)})"
             )
-        context = f"run {info.run!r}, step {info.step}"
-        return cls(store, digest, context=context, max_workers=max_workers)
+        return cls(store, digest, context=_where(info), max_workers=max_workers)
+
+    @classmethod
+    def for_plan(
+        cls, store: ObjectStore | str | None, plan: _plan.LoadPlan, *, max_workers: int = 8
+    ) -> CkptStoreReader:
+        """The reader for the checkpoint a :class:`LoadPlan` names, from the store alone (no
+        database): ``store`` (an ``ObjectStore`` or its URL), else the plan's ``store_url``."""
+        where = store if store is not None else plan.store_url
+        if where is None:
+            raise ConfigError(
+                f"the load plan of run {plan.run!r} step {plan.step} names no store: pass "
+                "store= (an ObjectStore or its URL), or plan with ckpt_dcp.plan_load(run), "
+                "which records the run's store"
+            )
+        return cls(where, plan.metadata_digest, context=_where(plan.info), max_workers=max_workers)
 
     def close(self) -> None:
         """Release the store if this reader opened it."""
@@ -295,6 +312,10 @@ def _check_box(entry: Entry, item: ReadItem, where: str) -> tuple[int, int]:
     first = sum(o * s for o, s in zip(offsets, strides, strict=True))
     last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
     return first * itemsize, (last + 1) * itemsize
+
+
+def _where(info: CheckpointInfo) -> str:
+    return f"run {info.run!r}, step {info.step}"
 
 
 def _with_context(context: str, detail: str) -> str:

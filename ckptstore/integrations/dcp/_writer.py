@@ -1,5 +1,7 @@
 """The DCP ``StorageWriter`` of :mod:`ckptstore.integrations.dcp`: every rank stores its items
-as one component, ``dcp/rank<r>``, and the coordinator commits them with the metadata."""
+as one component, ``dcp/rank<r>``, and the coordinator commits them with the metadata -- or,
+with ``commit=False``, stores the metadata as one more component and hands every receipt to a
+caller that commits them itself (``Run.save(step, ..., receipts=...)``)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,13 @@ class CkptStoreWriter(StorageWriter):
     ``expect_changed``: every rank component must differ from the previous committed
     checkpoint's; one that does not is logged as a warning and listed in the committed row's
     ``training_info["stale_components"]`` (``Run.save``'s guard against saving stale weights).
+
+    ``commit=False``: nothing is committed and no rank needs a run (``target`` is the store or
+    its URL everywhere, or a run whose store is used). The coordinator's ``finish()`` stores
+    the metadata as the component ``dcp/metadata`` -- the same content a commit would -- and
+    ``self.receipts`` then holds every receipt (the rank components' in rank order, then the
+    metadata's) for ``run.save(step, {...}, receipts=writer.receipts)``; on other ranks it is
+    empty. Step, training info, metrics, trigger and ``expect_changed`` go to that call.
     """
 
     def __init__(
@@ -78,8 +87,15 @@ class CkptStoreWriter(StorageWriter):
         kind: str = "state",
         writer_options: WriterOptions | None = None,
         expect_changed: bool = False,
+        commit: bool = True,
     ) -> None:
         super().__init__()
+        if not commit:
+            given = {"step": step, "training_info": training_info, "metrics": metrics}
+            _nothing_to_commit(
+                [k for k, v in given.items() if v is not None]
+                + (["expect_changed"] if expect_changed else [])
+            )
         self.run = target if isinstance(target, Run) else None
         self._store_target = target.store if isinstance(target, Run) else target
         self.step = None if step is None else check_step(step)
@@ -89,27 +105,32 @@ class CkptStoreWriter(StorageWriter):
         self.kind = kind
         self.writer_options = writer_options
         self.expect_changed = expect_changed
+        self.commit = commit
         self.committed: CheckpointInfo | None = None
+        #: With ``commit=False``, after ``finish()`` on the coordinator: every receipt.
+        self.receipts: list[ShardReceipt] = []
         self.uploaded_bytes = 0
         self.is_coordinator = False
 
     def __repr__(self) -> str:
+        if not self.commit:
+            return f"CkptStoreWriter(store={self._store_target!r}, commit=False)"
         return f"CkptStoreWriter(run={getattr(self.run, 'name', None)!r}, step={self.step})"
 
     def reset(self, checkpoint_id: Any = None) -> None:
         """A new save begins; a ``checkpoint_id`` is the step to save."""
         if checkpoint_id is not None:
+            if not self.commit:
+                _nothing_to_commit(["checkpoint_id"])
             self.step = _step_of(checkpoint_id)
-        self.committed = None
-        self.uploaded_bytes = 0
+        self._clear()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Check this rank can play its part; per-save state is reset here (DCP calls
         ``reset`` only when a ``checkpoint_id`` is passed)."""
         self.is_coordinator = is_coordinator
-        self.committed = None
-        self.uploaded_bytes = 0
-        if not is_coordinator:
+        self._clear()
+        if not is_coordinator or not self.commit:
             return
         if self.run is None or self.run.epoch is None:
             raise ConfigError(
@@ -149,13 +170,7 @@ class CkptStoreWriter(StorageWriter):
                 sizes.append(tensor.numel() * tensor.element_size())
         results: list[WriteResult] = []
         if items:
-            store = self._store()
-            try:
-                with ShardWriter(store, options=self.writer_options) as writer:
-                    receipt = writer.write(rank_component(rank), items, kind=self.kind)
-            finally:
-                if store is not self._store_target:
-                    store.close()
+            receipt = self._write(rank_component(rank), items, self.kind)
             self.uploaded_bytes = receipt.uploaded_bytes
             results = [
                 WriteResult(
@@ -170,9 +185,8 @@ class CkptStoreWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit the checkpoint: every rank's components and the metadata, one transaction."""
-        assert self.run is not None  # checked in set_up_storage_writer
-        assert self.step is not None
+        """Commit the checkpoint: every rank's components and the metadata, one transaction
+        (with ``commit=False``: store the metadata component and keep every receipt)."""
         receipts: list[ShardReceipt] = []
         locations: dict[MetadataIndex, Location] = {}
         for rank_results in results:
@@ -186,13 +200,20 @@ class CkptStoreWriter(StorageWriter):
                 locations[result.index] = Location(written.rank, written.position)
                 if written.receipt is not None:
                     receipts.append(written.receipt)
+        receipts.sort(key=lambda r: int(r.component.removeprefix("dcp/rank")))
         rank_indexes = {
             int(r.component.removeprefix("dcp/rank")): r.result.index_digest for r in receipts
         }
         document = encode_metadata(metadata, locations, rank_indexes)
+        state = {"format": METADATA_FORMAT, "metadata": document}
+        if not self.commit:
+            self.receipts = [*receipts, self._write(METADATA_COMPONENT, state, "state")]
+            return
+        assert self.run is not None  # checked in set_up_storage_writer
+        assert self.step is not None
         handle = self.run.save(
             self.step,
-            {METADATA_COMPONENT: {"format": METADATA_FORMAT, "metadata": document}},
+            {METADATA_COMPONENT: state},
             receipts=receipts,
             training_info=self.training_info,
             metrics=self.metrics,
@@ -210,9 +231,32 @@ class CkptStoreWriter(StorageWriter):
         """Never picked automatically by DCP: pass the writer explicitly."""
         return False
 
-    def _store(self) -> ObjectStore:
+    def _clear(self) -> None:
+        """Forget the previous save's outcome."""
+        self.committed = None
+        self.receipts = []
+        self.uploaded_bytes = 0
+
+    def _write(self, component: str, state: Any, kind: str) -> ShardReceipt:
+        """Store one component; a store this writer opened from a URL is closed after."""
         target = self._store_target
-        return target if isinstance(target, ObjectStore) else open_store(target)
+        store = target if isinstance(target, ObjectStore) else open_store(target)
+        try:
+            with ShardWriter(store, options=self.writer_options) as writer:
+                return writer.write(component, state, kind=kind)
+        finally:
+            if store is not target:
+                store.close()
+
+
+def _nothing_to_commit(given: list[str]) -> None:
+    """``commit=False`` with what only a commit uses: ConfigError naming where it goes."""
+    if given:
+        raise ConfigError(
+            f"CkptStoreWriter(commit=False) commits nothing, so it takes no {', '.join(given)}: "
+            "pass the step, training_info, metrics and expect_changed to whoever commits, "
+            "run.save(step, ..., receipts=writer.receipts)"
+        )
 
 
 def _plain_text(data: Any, fqn: str) -> str:
