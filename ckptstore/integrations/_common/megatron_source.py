@@ -94,6 +94,17 @@ class Source:
         self._readers: dict[str, ComponentReader] = {}
         self._fetched: dict[tuple[str, str], torch.Tensor] = {}
 
+    def shared_meta(self) -> dict[str, Any]:
+        """The meta as plain JSON values, rebuilt from what was parsed and checked: what the
+        coordinator of a load hands the other ranks (``Source(store, info, meta)``), so they
+        need not fetch it themselves."""
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "metadata": dict(self.config),
+            "layout": self.layout.to_json(),
+        }
+
     def reader(self, component: str) -> ComponentReader:
         """A reader of one of the checkpoint's components (its index fetched once, and checked
         to hold the tensor shards the layout places in it)."""

@@ -1,14 +1,24 @@
 """Megatron-Core ``dist_checkpointing`` through ckptstore: sharded save/load strategies.
 
-Quick use (every rank; rank 0 holds the writable run, other ranks a read-only run or a store)::
+Quick use (every rank; only rank 0 opens the manifest database, the others need the store)::
 
     from ckptstore.integrations import megatron as ckpt_megatron
-    ckpt_megatron.save(model.sharded_state_dict(), run, step)          # or async_save=True
-    state = ckpt_megatron.load(model.sharded_state_dict(), run, step)  # any TP split
+    run = ckptstore.open_run(name, db=db_url, store=url) if rank == 0 else None
+    sd = model.sharded_state_dict()
+    ckpt_megatron.save(sd, run, step, store=url)             # or async_save=True
+    state = ckpt_megatron.load(sd, run, store=url)           # newest that holds up; any TP split
+    state = ckpt_megatron.load(sd, run, step, store=url)     # a given step
+
+Rank 0 chooses what to load (the newest committed checkpoint whose metadata holds, falling past
+corrupt ones) and hands the other ranks its record and metadata, so they read from the store
+alone (DESIGN.md §12); in a save, they upload their shards and rank 0 commits. A Run on every
+rank works too (a read-only one elsewhere): the other ranks still leave the database to rank 0.
 
 Or, with Megatron's own entry points: ``dist_checkpointing.save(sd, dir,
 sharded_strategy=CkptStoreSaveStrategy(run, step))``, and :func:`register` to make
-``"ckptstore"`` a backend that ``dist_checkpointing.load`` finds through metadata.json.
+``"ckptstore"`` a backend that ``dist_checkpointing.load`` finds through metadata.json. Those
+load strategies find the checkpoint themselves, so they need a Run on every rank; :func:`load`
+is the form whose other ranks need no database.
 
 Each rank uploads the main replicas of its shards itself (``megatron/rank<r>``); rank 0
 commits them with ``megatron/meta`` (metadata.json and the layout) and ``megatron/common``
@@ -23,7 +33,8 @@ reads anything, the layout is checked as a whole (``Layout.check``: each tensor'
 it exactly), and each rank component as it is opened (its entries are what the layout says).
 Loading the newest checkpoint falls back past one that fails, as ``ckpt_dcp.load`` does: rank 0
 checks the metadata before anything is loaded, and the ranks agree on damage found while
-reading data (``_resume``). The stored layout and the reader that needs no Megatron-Core
+reading data (``_resume``; what rank 0 sends the others is in ``_choice``, which store a rank
+uses in ``_targets``). The stored layout and the reader that needs no Megatron-Core
 (so ``ckptstore verify`` and ``export`` work without it) are in
 ``ckptstore.integrations._common`` (``megatron_layout``, ``megatron_source``).
 """
@@ -60,7 +71,7 @@ from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[i
 )
 
 from ckptstore.errors import ConfigError, SerializationError
-from ckptstore.floor import CheckpointInfo, ObjectStore, Run, check_savable, open_store
+from ckptstore.floor import CheckpointInfo, ObjectStore, Run, check_savable
 from ckptstore.integrations._common.megatron_layout import (
     META,
     SHARD_PREFIX,
@@ -90,7 +101,8 @@ from ckptstore.integrations.megatron._load import (
     StepOf,
     iteration_of,
 )
-from ckptstore.integrations.megatron._resume import load_newest
+from ckptstore.integrations.megatron._resume import load_chosen
+from ckptstore.integrations.megatron._targets import rank_store, save_target, store_of
 
 __all__ = [
     "BACKEND",
@@ -106,12 +118,6 @@ __all__ = [
     "save",
     "validate_checkpoint",
 ]
-
-
-def _store_of(target: Run | ObjectStore | str) -> ObjectStore:
-    if isinstance(target, Run):
-        return target.store
-    return target if isinstance(target, ObjectStore) else open_store(target, create=False)
 
 
 def _local_shards(
@@ -220,7 +226,7 @@ class CkptStoreSaveStrategy(AsyncSaveShardedStrategy):  # type: ignore[misc]
         super().__init__(BACKEND, BACKEND_VERSION)
         _keep_common_states()
         self.run = target if isinstance(target, Run) else None
-        self.store = _store_of(target)
+        self.store = store_of(target)
         self.step = step
         self.training_info = training_info
         self.metrics = metrics
@@ -315,9 +321,10 @@ def register(target: Run | ObjectStore | str, *, step_of: StepOf = iteration_of)
 
 def save(
     sharded_state_dict: Any,
-    target: Run | ObjectStore | str,
+    target: Run | ObjectStore | str | None,
     step: int,
     *,
+    store: ObjectStore | str | None = None,
     checkpoint_dir: str | None = None,
     async_save: bool = False,
     training_info: dict[str, Any] | None = None,
@@ -327,7 +334,11 @@ def save(
 ) -> Any:
     """Save a Megatron sharded state dict as checkpoint ``step`` (collective, every rank).
 
-    ``target`` as for :class:`CkptStoreSaveStrategy`. Megatron's local files go to
+    ``target`` as for :class:`CkptStoreSaveStrategy`: the writable Run on rank 0 (which
+    commits); on the other ranks a run, a store or its URL -- or None and ``store=``, so the
+    same call serves every rank: ``save(sd, run if rank == 0 else None, step, store=url)``.
+    Only rank 0 touches the database. A run and ``store=`` together must name the same
+    store (else ConfigError, on that rank, before anything is saved). Megatron's local files go to
     ``checkpoint_dir`` (default: a private directory under ``$TMPDIR``, removed afterwards --
     or, if this process is killed, by the next save or load on this host). Returns None, or
     with ``async_save`` Megatron's ``AsyncRequest`` to schedule (``AsyncCallsQueue``); its
@@ -339,7 +350,7 @@ def save(
     guard against a writer that saves stale weights.
     """
     strategy = CkptStoreSaveStrategy(
-        target,
+        save_target(target, store),
         step,
         training_info=training_info,
         metrics=metrics,
@@ -371,15 +382,22 @@ def save(
 
 def load(
     sharded_state_dict: Any,
-    run: Run,
+    run: Run | None,
     step: int | None = None,
     *,
+    store: ObjectStore | str | None = None,
     checkpoint_dir: str | None = None,
     strict: Any = "assume_ok_unexpected",
     fallback: bool = True,
 ) -> Any:
     """Load checkpoint ``step`` into the split the sharded state dict asks for (collective,
     every rank); returns Megatron's loaded state dict.
+
+    Only rank 0 opens the manifest: it needs the ``run``; any other rank may pass None and
+    ``store=`` (the store URL or an open store; a URL is opened and closed here) and never
+    touches the database. Rank 0 chooses the checkpoint and hands the others its record and
+    metadata. A rank that passes a run and ``store=`` too must name the run's store. Wrong
+    arguments on any rank raise ``ConfigError`` on every rank before anything is read.
 
     Without a step, rank 0 picks the newest committed checkpoint and every rank loads that one.
     When it fails verification -- metadata that rank 0 finds wrong before anything is loaded,
@@ -393,21 +411,28 @@ def load(
     """
 
     def attempt(source: Source) -> Any:
-        return _load_source(sharded_state_dict, run, source, checkpoint_dir, strict)
+        return _load_source(sharded_state_dict, source, checkpoint_dir, strict)
 
-    if step is None:
-        return load_newest(run, attempt, fallback=fallback)
-    loaded = run.load(step, components=[META])
-    return attempt(Source(run.store, loaded.info, loaded.state[META]))
+    reading: ObjectStore | None = None
+    opened: ObjectStore | None = None
+    problem: str | None = None
+    try:
+        reading, opened = rank_store(run, store)
+    except ConfigError as exc:
+        problem = str(exc)
+    try:
+        return load_chosen(run, reading, step, attempt, fallback=fallback, problem=problem)
+    finally:
+        if opened is not None:
+            opened.close()
 
 
 def _load_source(
-    sharded_state_dict: Any, run: Run, source: Source, checkpoint_dir: str | None, strict: Any
+    sharded_state_dict: Any, source: Source, checkpoint_dir: str | None, strict: Any
 ) -> Any:
     """Megatron's load of the checkpoint ``source`` opens (collective, every rank)."""
-    sharded = CkptStoreLoadStrategy(run, source.info.step)
-    common = CkptStoreLoadCommonStrategy(run, source.info.step)
-    sharded._source = common._source = source
+    sharded = CkptStoreLoadStrategy._over(source)
+    common = CkptStoreLoadCommonStrategy._over(source)
     directory = checkpoint_dir or scratch.private_dir("load")
     try:
         with open(os.path.join(directory, "metadata.json"), "w", encoding="utf-8") as out:

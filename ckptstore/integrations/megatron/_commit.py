@@ -172,7 +172,7 @@ def _commit_all(outcomes: list[Outcome], commit: Commit, config: dict[str, Any],
         if commit.run is None or commit.run.epoch is None:
             raise SaveError(
                 "rank 0 commits and needs a writable Run: pass open_run(name, writable=True) "
-                "to the strategy on rank 0 (a store or a read-only run is enough elsewhere)"
+                "on rank 0 (a store, or None and store=, is enough on the other ranks)"
             )
         layout = Layout()
         for outcome in outcomes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import (  # type: ignore[import-untyped]
@@ -53,17 +53,30 @@ def iteration_of(checkpoint_dir: str) -> int | None:
 class _Loader:
     """What both load strategies share: the run, the step and the open checkpoint."""
 
-    def __init__(self, run: Run, step: int | None, step_of: StepOf, source: Source | None) -> None:
-        if not isinstance(run, Run):
+    def __init__(
+        self, run: Run | None, step: int | None, step_of: StepOf, source: Source | None
+    ) -> None:
+        if source is None and not isinstance(run, Run):
             raise ConfigError(
-                f"loading a Megatron checkpoint needs a Run (the manifest), not "
-                f"{type(run).__name__}: pass open_run(name, writable=False) on every rank"
+                f"a ckptstore load strategy of its own needs a Run (the manifest), not "
+                f"{type(run).__name__}: pass open_run(name, writable=False), or load with "
+                "ckpt_megatron.load(sd, run if rank == 0 else None, store=...), where only "
+                "rank 0 needs one"
             )
         self.run, self.step, self.step_of, self._source = run, step, step_of, source
+
+    @classmethod
+    def _over(cls, source: Source) -> Self:
+        """A strategy that reads ``source``, a checkpoint already chosen and opened (by
+        ``ckpt_megatron.load``): it needs no Run."""
+        strategy = cls.__new__(cls)
+        _Loader.__init__(strategy, None, source.info.step, iteration_of, source)
+        return strategy
 
     def source(self, checkpoint_dir: str | Path) -> Source:
         """The checkpoint to read: ``step``, else named by the directory, else the latest."""
         if self._source is None:
+            assert self.run is not None  # checked in __init__
             step = self.step if self.step is not None else self.step_of(str(checkpoint_dir))
             loaded = self.run.load(step, components=[META])
             self._source = Source(self.run.store, loaded.info, loaded.state[META])

@@ -1,19 +1,24 @@
-"""Loading the newest Megatron checkpoint that holds up, the same one on every rank.
+"""Which Megatron checkpoint a load reads, chosen by rank 0 alone, the same one on every rank.
 
-As ``ckpt_dcp.load`` does, only the coordinator (rank 0) asks the manifest which checkpoint is
-the newest. Before anything is loaded it checks that checkpoint's metadata as a whole
-(:meth:`Source.validate`: the layout tiles every tensor, each rank component holds what the
-layout places in it -- indexes only, no tensor data); when the check fails, it marks the
-checkpoint corrupt (a writer does; a read-only run changes nothing and names the command that
-would) and takes the previous one. Then it tells the other ranks which step to load, or why
-there is none.
+As ``ckpt_dcp.load`` does, only the coordinator (rank 0) opens the manifest (DESIGN.md §12).
+The other ranks need no Run: a store is enough (``load(sd, None, store=url)``). Sequence:
 
-Every rank then loads that step. Damage found while reading data (an ``IntegrityError`` on any
-rank: a blob that fails its digest, a shard missing from its component) is agreed on after the
-load, which is past Megatron's last collective, so no rank is left waiting in one: rank 0 marks
-the checkpoint corrupt (quarantining the damaged blob) and every rank falls back together. Any
-other failure is raised on every rank -- on a rank that failed, its own error; on the others,
-one naming the rank that failed -- and marks nothing.
+1. Every rank says whether its arguments do (a Run on rank 0; a Run or a store elsewhere), so a
+   misconfigured rank fails every rank at once instead of leaving the others waiting.
+2. Rank 0 picks the checkpoint: the step asked for, or the newest committed one whose metadata
+   holds as a whole (:meth:`Source.validate`: the layout tiles every tensor, each rank
+   component holds what the layout places in it -- indexes only, no tensor data). One that
+   fails is marked corrupt (a writer does; a read-only run changes nothing and names the
+   command that would) and the previous one is taken. Rank 0 broadcasts its choice
+   (:mod:`._choice`: the checkpoint's record and its checked meta) or the error that stopped it.
+3. Every rank loads that checkpoint from its store. Damage found while reading data (an
+   ``IntegrityError`` on any rank: a blob that fails its digest, a shard missing from its
+   component) is agreed on after the load, which is past Megatron's last collective, so no
+   rank is left waiting in one: rank 0 marks the checkpoint corrupt (quarantining the damaged
+   blob) and every rank falls back together -- unless the rank that found it reads another
+   store URL than rank 0's run, whose word condemns nothing. Any other failure is raised on
+   every rank -- on a rank that failed, its own error; on the others, one naming the rank
+   that failed -- and marks nothing. A step asked for is never fallen back past.
 """
 
 from __future__ import annotations
@@ -25,9 +30,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, IntegrityError
-from ckptstore.floor import CheckpointInfo, MissingBlobError, Run, mark_corrupt
+from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, ConfigError, IntegrityError
+from ckptstore.floor import CheckpointInfo, MissingBlobError, ObjectStore, Run, mark_corrupt
+from ckptstore.integrations._common.megatron_layout import META
 from ckptstore.integrations._common.megatron_source import Source
+from ckptstore.integrations.megatron._choice import (
+    choice_to_json,
+    error_from_json,
+    error_to_json,
+    source_from_json,
+)
 from ckptstore.integrations.megatron._commit import describe
 
 log = logging.getLogger("ckptstore.integrations.megatron")
@@ -38,57 +50,101 @@ Attempt = Callable[[Source], Any]
 Outcome = dict[str, Any] | None
 
 
-def load_newest(run: Run, attempt: Attempt, *, fallback: bool) -> Any:
-    """What ``attempt`` returns for the newest committed checkpoint that holds up, loaded on
-    every rank (see the module); without ``fallback``, the first failure is raised.
-    ``CheckpointNotFoundError`` when no checkpoint is left."""
+#: Why rank 0 cannot take part without a Run.
+RANK0_NEEDS_RUN = (
+    "rank 0 chooses the checkpoint to load and needs the Run (open_run(name, writable=False) "
+    "is enough; a writer also marks a damaged checkpoint corrupt); the other ranks may pass "
+    "None and store=<the run's store>"
+)
+
+
+def load_chosen(
+    run: Run | None,
+    store: ObjectStore | None,
+    step: int | None,
+    attempt: Attempt,
+    *,
+    fallback: bool,
+    problem: str | None,
+) -> Any:
+    """What ``attempt`` returns for checkpoint ``step`` (None: the newest committed one that
+    holds up), loaded on every rank (see the module). ``store`` is what this rank reads (rank
+    0: its run's); ``problem`` what is wrong with this rank's arguments, if anything.
+    ``CheckpointNotFoundError`` when no checkpoint is left; without ``fallback``, the first
+    failure is raised."""
+    if _rank() == 0 and run is None:
+        problem = RANK0_NEEDS_RUN
+    _agree_on_arguments(problem)
+    assert store is not None  # a rank without one had a problem, raised on every rank
     skipped: list[int] = []
     before: int | None = None
     while True:
-        info, source = _choose(run, before, fallback, skipped)
-        if info is None:
-            detail = f"; skipped corrupt steps {skipped}" if skipped else ""
-            raise CheckpointNotFoundError(
-                f"run {run.name!r} has no committed checkpoint to load{detail}"
-            )
+        chosen, opened = _choose(run, step, before, fallback, skipped)
         failure: Exception | None = None
         try:
-            loaded = attempt(source if source is not None else Source(run.store, info))
+            loaded = attempt(opened if opened is not None else source_from_json(store, chosen))
         except Exception as exc:  # every rank must hear of it before any rank raises
             loaded, failure = None, exc
-        if not _fall_back(run, info, failure, fallback):
+        info = None if opened is None else opened.info
+        if not _fall_back(run, info, store, failure, fallback and step is None):
             if skipped:
                 log.warning(
-                    "run %r: loaded step %d after skipping corrupt %s", run.name, info.step, skipped
+                    "loaded step %d after skipping corrupt %s", chosen["info"]["step"], skipped
                 )
             return loaded
-        skipped.append(info.step)
-        before = info.step
+        before = chosen["info"]["step"]
+        skipped.append(before)
+
+
+def _agree_on_arguments(problem: str | None) -> None:
+    """Raise ConfigError on every rank when any rank's arguments do not do."""
+    problems = [
+        f"rank {o['rank']}: {o['problem']}"
+        for o in _gather({"rank": _rank(), "problem": problem})
+        if o is not None and o["problem"] is not None
+    ]
+    if problems:
+        raise ConfigError(f"Megatron load: {'; '.join(problems)}")
 
 
 def _choose(
-    run: Run, before: int | None, fallback: bool, skipped: list[int]
-) -> tuple[CheckpointInfo | None, Source | None]:
-    """The checkpoint every rank loads next (None: none is left) and, on rank 0, its checked
-    source. Rank 0 picks and checks it; the others learn its step and the steps it skipped."""
+    run: Run | None, step: int | None, before: int | None, fallback: bool, skipped: list[int]
+) -> tuple[dict[str, Any], Source | None]:
+    """Rank 0's choice as sent to every rank (:func:`choice_to_json`), and on rank 0 the
+    checkpoint itself, opened. Rank 0 picks and checks it; the others learn it and the steps
+    it skipped, or the error that stopped it."""
     if _rank() == 0:
+        assert run is not None  # rank 0 without a Run had a problem, raised on every rank
         try:
-            source = _newest_valid(run, before, fallback, skipped)
+            source = _pick(run, step, before, fallback, skipped)
+            chosen = choice_to_json(source)
         except Exception as exc:
-            _share({"error": describe(exc)})
+            _share({"error": error_to_json(exc)})
             raise
-        step = None if source is None else source.info.step
-        _share({"error": None, "step": step, "skipped": skipped})
-        return (None, None) if source is None else (source.info, source)
+        _share({"error": None, "choice": chosen, "skipped": skipped})
+        return chosen, source
     verdict = _share(None)
     if verdict["error"] is not None:
-        raise CkptStoreError(
-            f"rank 0 could not choose a checkpoint of run {run.name!r} to load: {verdict['error']}"
-        )
+        raise error_from_json(verdict["error"])
     skipped[:] = verdict["skipped"]
-    if verdict["step"] is None:
-        return None, None
-    return run.checkpoint(verdict["step"]), None
+    return verdict["choice"], None
+
+
+def _pick(
+    run: Run, step: int | None, before: int | None, fallback: bool, skipped: list[int]
+) -> Source:
+    """Rank 0: checkpoint ``step`` opened, or the newest committed one below ``before`` whose
+    metadata holds (see the module); ``CheckpointNotFoundError`` when none is left."""
+    if step is not None:
+        loaded = run.load(step, components=[META])
+        return Source(run.store, loaded.info, loaded.state[META])
+    source = _newest_valid(run, before, fallback, skipped)
+    if source is None:
+        detail = f"; skipped corrupt steps {skipped}" if skipped else ""
+        raise CheckpointNotFoundError(
+            f"run {run.name!r} has no committed checkpoint to load{detail}"
+        )
+    return source
 
 
 def _newest_valid(
@@ -106,24 +162,30 @@ def _newest_valid(
         except IntegrityError as exc:
             if not fallback:
                 raise
-            _condemn(run, info, exc)
+            mark_corrupt(run, info, exc)
             skipped.append(info.step)
             before = info.step
             continue
         return source
 
 
-def _condemn(run: Run, info: CheckpointInfo, exc: IntegrityError) -> None:
-    """Rank 0: the checkpoint failed verification -- marked corrupt by a writer, reported by
-    a reader -- unless the store is the wrong one (``StoreNotFoundError``)."""
-    mark_corrupt(run, info, exc)
-
-
-def _fall_back(run: Run, info: CheckpointInfo, failure: Exception | None, fallback: bool) -> bool:
-    """Whether every rank falls back past ``info`` (its data is damaged); False when every
-    rank loaded it. Raises on every rank when the load failed otherwise (see the module)."""
-    outcomes = _gather(_outcome(failure))
-    verdict = _share(_decide(run, info, outcomes, fallback) if _rank() == 0 else None)
+def _fall_back(
+    run: Run | None,
+    info: CheckpointInfo | None,
+    store: ObjectStore,
+    failure: Exception | None,
+    fallback: bool,
+) -> bool:
+    """Whether every rank falls back past the checkpoint just loaded (``info``, on rank 0):
+    its data is damaged. False when every rank loaded it. Raises on every rank when the load
+    failed otherwise (see the module)."""
+    outcomes = _gather(_outcome(failure, store))
+    decided = None
+    if _rank() == 0:
+        assert run is not None
+        assert info is not None
+        decided = _decide(run, info, outcomes, fallback)
+    verdict = _share(decided)
     if verdict["action"] == "loaded":
         return False
     if verdict["action"] == "fall back":
@@ -133,12 +195,13 @@ def _fall_back(run: Run, info: CheckpointInfo, failure: Exception | None, fallba
     raise CkptStoreError(verdict["error"])
 
 
-def _outcome(failure: Exception | None) -> Outcome:
+def _outcome(failure: Exception | None, store: ObjectStore) -> Outcome:
     if failure is None:
         return None
     damage = failure if isinstance(failure, IntegrityError) else None
     return {
         "rank": _rank(),
+        "store": store.url,
         "damage": damage is not None,
         "missing": isinstance(failure, MissingBlobError),
         "digest": None if damage is None else damage.digest,
@@ -150,12 +213,22 @@ def _outcome(failure: Exception | None) -> Outcome:
 def _decide(
     run: Run, info: CheckpointInfo, outcomes: list[Outcome], fallback: bool
 ) -> dict[str, Any]:
-    """Rank 0: every rank loaded; or some found damage (and none failed otherwise), so the
-    checkpoint is condemned and all fall back; or the load fails everywhere."""
+    """Rank 0: every rank loaded; or some found damage in rank 0's store (and none failed
+    otherwise), so the checkpoint is condemned and all fall back; or the load fails everywhere."""
     failed = [o for o in outcomes if o is not None]
     if not failed:
         return {"action": "loaded"}
     where = f"the Megatron load of run {run.name!r} step {info.step}"
+    elsewhere = [o for o in failed if o["damage"] and o["store"] != run.store.url]
+    if elsewhere:
+        first = elsewhere[0]
+        return {
+            "action": "raise",
+            "error": f"{where} failed on rank {first['rank']}, which reads the store "
+            f"{first['store']}, not rank 0's {run.store.url}: {first['error']}. Nothing was "
+            "marked corrupt; give every rank the run's store (or check this one with "
+            f"`ckptstore verify {run.name}@{info.step}`)",
+        }
     other = [o for o in failed if not o["damage"]]
     if other or not fallback:
         first = (other or failed)[0]
@@ -169,7 +242,7 @@ def _decide(
     )
     damage.digest = first["digest"]
     try:
-        _condemn(run, info, damage)
+        mark_corrupt(run, info, damage)
     except CkptStoreError as exc:  # the store is the wrong one: nothing was marked
         return {"action": "raise", "error": f"{where} failed: {exc}"}
     return {"action": "fall back"}
