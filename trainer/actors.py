@@ -41,6 +41,10 @@ def spawn(cls: type, backend: str, *args: Any, **kwargs: Any) -> Any:
     if backend == "local":
         return LocalActor(cls(*args, **kwargs))
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    # num_cpus=0: the actors share the machine's cores instead of each reserving one.
-    return ray.remote(num_cpus=0)(cls).remote(*args, **kwargs)
+    # num_cpus=0: the actors share the machine's cores instead of each reserving one. They
+    # stay beside the caller (the controller) when its node can hold them; only the sharded
+    # policy's ranks (trainer.sharded) are spread by their own resources.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=here).remote(*args, **kwargs)

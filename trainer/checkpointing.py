@@ -14,6 +14,7 @@ time from the first snapshot to the commit. One start opens the database and the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
@@ -27,6 +28,7 @@ import torch
 from ckptstore import (
     CheckpointInfo,
     CheckpointNotFoundError,
+    IntegrityError,
     LoadedCheckpoint,
     ObjectStore,
     RetentionPolicy,
@@ -40,7 +42,8 @@ from ckptstore import (
     open_store,
     run_info,
 )
-from ckptstore.floor import Database, default_store, identity_changes
+from ckptstore.floor import Database, default_store, identity_changes, mark_corrupt
+from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import (
     TrainerConfig,
     architecture_changed,
@@ -51,11 +54,14 @@ from trainer.config import (
 )
 from trainer.errors import ResumeError
 from trainer.policy import Policy
+from trainer.policy_state import SHARDED_INFO, is_sharded
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
 RANKED_TRIGGERS = frozenset({"period"})
 #: Kinds of the controller's own components.
 KINDS = {"dataloader": "dataloader", "rollout_state": "state", "replay_buffer": "replay_buffer"}
+#: What the controller itself loads of a checkpoint whose policy is sharded.
+CONTROLLER_COMPONENTS = tuple(KINDS)
 
 
 def _mib(n: int) -> str:
@@ -247,7 +253,7 @@ class TrainerCheckpointer:
             return None
         name, step = self.fork_parent
         with self._open(name, writable=False) as parent:
-            return parent.load(step)  # the step the fork's lineage records
+            return _load(parent, step)  # the step the fork's lineage records
 
     def _has_checkpoint(self, name: str) -> bool:
         """Whether ``name`` has history of its own (committed checkpoints, or corrupt ones,
@@ -263,7 +269,7 @@ class TrainerCheckpointer:
         ``checkpointing.start_fresh`` (its history is never silently abandoned)."""
         assert self.run is not None
         try:
-            loaded = self.run.load() if self.run.latest() is not None else None
+            loaded = _load(self.run) if self.run.latest() is not None else None
         except CheckpointNotFoundError:  # every checkpoint failed verification
             if not self._lost_history():
                 raise
@@ -301,6 +307,25 @@ class TrainerCheckpointer:
         )
         return True
 
+    def policy_plan(self, run_name: str, step: int) -> ckpt_dcp.LoadPlan:
+        """What the policy workers need to read the sharded policy of ``run_name`` at ``step``
+        from the store (they never open the database); its metadata is checked here first
+        (``IntegrityError`` if it does not hold up)."""
+        if self.run is not None and run_name == self.run.name:
+            return ckpt_dcp.plan_load(self.run, step)
+        with self._open(run_name, writable=False) as run:
+            return ckpt_dcp.plan_load(run, step)
+
+    def condemn(self, info: CheckpointInfo, error: IntegrityError) -> None:
+        """Mark ``info`` corrupt (the policy workers found its stored data damaged) so the
+        next :meth:`restore` takes the previous checkpoint."""
+        assert self.run is not None
+        mark_corrupt(self.run, info, error)
+        self.emit(
+            f"warning: checkpoint step {info.step} of run {info.run!r} failed verification "
+            f"({error}); it is marked corrupt and the run resumes from an earlier checkpoint"
+        )
+
     # -- saving -------------------------------------------------------------------------------
 
     def trigger(
@@ -336,6 +361,10 @@ class TrainerCheckpointer:
         uploads go on in the background and the commit follows when they are done (with
         ``async_save=false``: before this returns, and the wait counts as blocked)."""
         await self.flush(policy)
+        workers = self.cfg.policy.num_workers
+        if workers > 1:
+            sharding = {"workers": workers, "optimizer": self.ck.save_optimizer}
+            training_info = {**training_info, SHARDED_INFO: sharding}
         started_at = time.time()
         began = time.perf_counter()
         assert self._buffer_writer is not None
@@ -403,7 +432,9 @@ class TrainerCheckpointer:
             kinds={name: KINDS[name] for name in pending.components},
             started_at=pending.started_at,
             blocked_seconds=blocked,
-            expect_changed=("policy",),
+            # The policy's own components: "policy" saved whole, "dcp/rank<r>" sharded.
+            expect_changed=[r.component for r in policy_receipts if r.kind == "policy"]
+            or [r.component for r in policy_receipts if r.component.startswith("dcp/rank")],
         )
         self.committing = handle
         self.report()
@@ -485,6 +516,21 @@ class TrainerCheckpointer:
             self._emit_saved(info)
         self.committing = None
         self.kept_steps = [c.step for c in run.checkpoints(["committed"])]
+
+
+def _load(run: Run, step: int | None = None) -> LoadedCheckpoint:
+    """A checkpoint to resume from (``step``, or the newest that verifies). A sharded policy's
+    components are left to the policy workers, which read them from the store themselves."""
+    info = run.checkpoint(step) if step is not None else run.latest()
+    if info is None or not is_sharded(info):
+        loaded = run.load(step)
+    else:
+        loaded = run.load(step, components=CONTROLLER_COMPONENTS)
+    if is_sharded(loaded.info) or "policy" in loaded.state:
+        return loaded
+    # Fell back past a corrupt sharded checkpoint to one whose policy was saved whole.
+    whole = run.load(loaded.info.step)
+    return dataclasses.replace(whole, skipped=loaded.skipped)
 
 
 def _settle(save: ShardSave, failure: BaseException) -> None:

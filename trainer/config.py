@@ -55,10 +55,25 @@ class PolicySection:
     n_heads: int = 4
     #: AdamW learning rate of the GRPO updates.
     lr: float = 1.0e-3
+    #: Policy workers (Ray actors) forming one torch.distributed group over which the model and
+    #: the optimizer are sharded with FSDP2; each saves its own shards through
+    #: ckptstore.integrations.dcp. 1: one unsharded worker. A resume may use another number
+    #: (the policy reshards on load). More than 1 needs backend=ray.
+    num_workers: int = 1
+    #: Ray resources each policy worker asks for, e.g. {policy_slot: 1} with one such slot per
+    #: node puts every rank on its own node. Empty: placed anywhere.
+    worker_resources: dict[str, float] = field(default_factory=dict)
+    #: Seconds a collective of the policy group waits for a missing rank before it fails (a
+    #: lost node fails the run instead of hanging it).
+    collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for key in ("d_model", "n_layers", "n_heads"):
+        for key in ("d_model", "n_layers", "n_heads", "num_workers"):
             _at_least(getattr(self, key), 1, f"policy.{key}")
+        if not self.collective_timeout_s > 0:
+            raise ConfigurationError(
+                f"policy.collective_timeout_s={self.collective_timeout_s} must be > 0"
+            )
         if self.d_model % self.n_heads:
             raise ConfigurationError(
                 f"policy.n_heads={self.n_heads} must divide policy.d_model={self.d_model}"
@@ -272,6 +287,8 @@ class TrainerConfig:
     #: "ray": controller, rollout workers and policy worker are Ray actors; "local": the same
     #: classes in this process (tests, debugging).
     backend: str = "ray"
+    #: The Ray cluster to join (an address such as 127.0.0.1:6379); None starts a local one.
+    ray_address: str | None = None
     task: TaskConfig = field(default_factory=TaskConfig)
     policy: PolicySection = field(default_factory=PolicySection)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
@@ -285,6 +302,11 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigurationError(f"backend={self.backend!r} must be one of {list(BACKENDS)}")
+        if self.policy.num_workers > 1 and self.backend != "ray":
+            raise ConfigurationError(
+                f"policy.num_workers={self.policy.num_workers} shards the policy over Ray "
+                "actors: set backend=ray (or policy.num_workers=1 for backend=local)"
+            )
         if self.async_rl.max_buffered_rollouts < self.grpo.num_prompts_per_step:
             raise ConfigurationError(
                 f"async_rl.max_buffered_rollouts={self.async_rl.max_buffered_rollouts} must be "
@@ -304,7 +326,10 @@ class TrainerConfig:
 
 # Sections left out of the config recorded with a run: where it is stored, how it is logged and
 # run. A resumed run may change them.
-RUNTIME_KEYS = ("backend", "checkpointing", "logger", "watchdog")
+RUNTIME_KEYS = ("backend", "ray_address", "checkpointing", "logger", "watchdog")
+#: Policy keys that are not part of the model's identity: the optimizer's learning rate, and
+#: how the policy is spread over workers (a resume may reshard it).
+POLICY_NOT_IDENTITY = ("lr", "num_workers", "worker_resources", "collective_timeout_s")
 
 
 def load_config(config_file: str | Path | None, overrides: Sequence[str]) -> TrainerConfig:
@@ -371,7 +396,9 @@ def model_config(cfg: TrainerConfig | dict[str, Any]) -> dict[str, Any]:
     plain = cfg.to_dict() if isinstance(cfg, TrainerConfig) else cfg
     return {
         "task": plain.get("task"),
-        "policy": {k: v for k, v in (plain.get("policy") or {}).items() if k != "lr"},
+        "policy": {
+            k: v for k, v in (plain.get("policy") or {}).items() if k not in POLICY_NOT_IDENTITY
+        },
         "warmup": plain.get("warmup"),
         "seed": plain.get("seed"),
     }

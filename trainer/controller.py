@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from ckptstore import LoadedCheckpoint
+from ckptstore import IntegrityError, LoadedCheckpoint
 from trainer import actors
 from trainer.checkpointing import TrainerCheckpointer
 from trainer.config import TrainerConfig
@@ -31,6 +31,7 @@ from trainer.replay import Group, ReplayBuffer
 from trainer.resume import Restored, read_checkpoint
 from trainer.rollouts import RolloutPump
 from trainer.samplers import make_sampler
+from trainer.sharded import PolicyGroup
 from trainer.task import PromptDataset
 from trainer.trace import PromptTrace
 from trainer.watchdog import StallError, Watchdog, diagnose
@@ -131,7 +132,15 @@ class Controller(RolloutPump):
         base_weights = await asyncio.to_thread(self._base_weights)
         cfg = self.cfg
         store = cfg.checkpointing.store if checkpointer.enabled else None
-        self.policy = actors.spawn(PolicyWorker, cfg.backend, cfg, base_weights, store)
+        if cfg.policy.num_workers > 1:
+            group = await PolicyGroup.start(cfg, base_weights, store)
+            self.policy = group
+            self.emit(
+                f"policy sharded over {len(group.ranks)} workers (FSDP2) on "
+                f"{len(set(group.nodes))} node(s)"
+            )
+        else:
+            self.policy = actors.spawn(PolicyWorker, cfg.backend, cfg, base_weights, store)
         self.rollout_workers = [
             actors.spawn(RolloutWorker, cfg.backend, cfg)
             for _ in range(cfg.async_rl.num_rollout_workers)
@@ -140,9 +149,10 @@ class Controller(RolloutPump):
         self.permits = asyncio.Semaphore(self.capacity)
         if checkpointer.enabled:
             await asyncio.to_thread(checkpointer.open)
-            if restored is None:
-                loaded = await asyncio.to_thread(checkpointer.restore)
-                restored = None if loaded is None else self._read(loaded)
+            if restored is not None:
+                await self._restore_policy(restored)
+            else:
+                restored = await self._restore_newest()
             if restored is not None:
                 await self._apply(restored)
         await self._sync_weights(self.train_steps)
@@ -164,14 +174,33 @@ class Controller(RolloutPump):
     def _read(self, loaded: LoadedCheckpoint, data_reset: str | None = None) -> Restored:
         return read_checkpoint(loaded, self.cfg, self.sampler.name, self._new_stream, data_reset)
 
+    async def _restore_newest(self) -> Restored | None:
+        """The newest checkpoint that verifies, its policy loaded into the policy workers.
+        A sharded policy is verified by the workers as they read it; when its data is
+        damaged, the checkpoint is marked corrupt here and the previous one is taken."""
+        checkpointer = self.checkpointer
+        while True:
+            loaded = await asyncio.to_thread(checkpointer.restore)
+            if loaded is None:
+                return None
+            restored = self._read(loaded)
+            try:
+                await self._restore_policy(restored)
+            except IntegrityError as exc:
+                if not restored.sharded:
+                    raise
+                await asyncio.to_thread(checkpointer.condemn, loaded.info, exc)
+                continue
+            return restored
+
     async def _apply(self, restored: Restored) -> None:
-        """Take over what a checkpoint restores (trainer/resume.py), before the pumps start."""
+        """Take over what a checkpoint restores (trainer/resume.py), before the pumps start;
+        the policy is already restored (:meth:`_restore_policy`)."""
         step = restored.step
         self.train_steps = step
         self.consumed_samples = restored.consumed_samples
         self.consumed_generations = restored.consumed_generations
         self.total_valid_tokens = restored.total_valid_tokens
-        await self._restore_policy(restored)
         self.stream, self.buffer, self.ledger = restored.stream, restored.buffer, restored.ledger
         for _ in restored.buffer.groups:  # one capacity permit per restored group
             await self.permits.acquire()
@@ -188,7 +217,14 @@ class Controller(RolloutPump):
         )
 
     async def _restore_policy(self, restored: Restored) -> None:
-        if await self.policy.load.remote(restored.policy, restored.optimizer):
+        checkpointer = self.checkpointer
+        if restored.sharded and not (restored.run != self.run_name and checkpointer.fork_fresh):
+            plan = await asyncio.to_thread(checkpointer.policy_plan, restored.run, restored.step)
+            await self.policy.load_sharded.remote(plan, restored.sharded_optimizer)
+            return
+        if not restored.sharded and await self.policy.load.remote(
+            restored.policy, restored.optimizer
+        ):
             return
         if restored.run == self.run_name:
             raise ResumeError(

@@ -32,6 +32,7 @@ examples:
   python -m trainer.grpo grpo.max_num_steps=60 checkpointing.save_period=10
   python -m trainer.grpo --config my.yaml checkpointing.checkpoint_must_save_by=00:03:30:00
   python -m trainer.grpo backend=local                    # no Ray: everything in this process
+  python -m trainer.grpo policy.num_workers=2             # policy sharded over 2 Ray workers
 
 Config names follow DESIGN.md §9.1 (see trainer/config.py for every key and its default).
 checkpoint_must_save_by takes DD:HH:MM:SS counted from process start, or an absolute
@@ -84,21 +85,33 @@ async def _drive_local(controller: Any) -> dict[str, Any]:
 def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from trainer.controller import Controller
 
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        logging_level=logging.ERROR,
-        configure_logging=True,
-    )
+    temp_dir: str | None = None
+    if cfg.ray_address:
+        # Join a running cluster (its nodes hold the policy workers); the driver only connects.
+        ray.init(address=cfg.ray_address, logging_level=logging.ERROR, configure_logging=True)
+    else:
+        temp_dir = tempfile.mkdtemp(prefix="ray-")
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            _temp_dir=temp_dir,
+            logging_level=logging.ERROR,
+            configure_logging=True,
+        )
     try:
         # Any: Ray's actor handles are typed as the class, whose methods have no .remote.
-        controller: Any = ray.remote(num_cpus=0)(Controller).remote(cfg, PROCESS_START)
+        # The controller runs on the driver's node: losing another node must not take it.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        controller: Any = (
+            ray.remote(num_cpus=0)(Controller)
+            .options(scheduling_strategy=here)
+            .remote(cfg, PROCESS_START)
+        )
         done = controller.run_training.remote()
         while True:
             ready, _ = ray.wait([done], timeout=0.2)
@@ -108,7 +121,8 @@ def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
                 return ray.get(done)  # type: ignore[no-any-return]
     finally:
         ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from trainer.config import TrainerConfig
 from trainer.data import PromptStream
 from trainer.errors import ResumeError
 from trainer.ledger import PromptLedger
+from trainer.policy_state import SHARDED_INFO, is_sharded
 from trainer.replay import ReplayBuffer, ReplayBufferError
 
 __all__ = ["Restored", "read_checkpoint"]
@@ -49,9 +50,15 @@ class Restored:
     consumed_samples: int
     consumed_generations: int
     total_valid_tokens: int
-    policy: dict[str, Any]
-    #: None: the optimizer starts fresh.
+    #: The policy saved whole (one worker), or None: saved sharded (``sharded``).
+    policy: dict[str, Any] | None
+    #: The whole policy's optimizer state; None: the optimizer starts fresh (or is sharded).
     optimizer: dict[str, Any] | None
+    #: The policy was saved sharded by N workers (the ``dcp/*`` components): the policy
+    #: workers read it from the store themselves.
+    sharded: bool = False
+    #: ...and the optimizer's shards are to be loaded with it.
+    sharded_optimizer: bool = False
     stream: PromptStream
     buffer: ReplayBuffer
     ledger: PromptLedger
@@ -73,6 +80,8 @@ def read_checkpoint(
     fresh although the dataset name is unchanged (a fork that changed the seed or the task)."""
     info, state = loaded.info, loaded.state
     training = info.training_info or {}
+    sharded = is_sharded(info)
+    save_optimizer = cfg.checkpointing.save_optimizer
     where = f"run {info.run!r} step {info.step}"
     group_size = cfg.grpo.num_generations_per_prompt
     _check_group_size(training, group_size, where)
@@ -120,8 +129,10 @@ def read_checkpoint(
         consumed_samples=consumed,
         consumed_generations=int(training.get("consumed_generations", consumed * group_size)),
         total_valid_tokens=int(training.get("total_valid_tokens", 0)),
-        policy=state["policy"],
-        optimizer=_optimizer(state, cfg.checkpointing.save_optimizer, where, warnings),
+        policy=None if sharded else state["policy"],
+        optimizer=None if sharded else _optimizer(state, save_optimizer, where, warnings),
+        sharded=sharded,
+        sharded_optimizer=sharded and _sharded_optimizer(training, save_optimizer, where, warnings),
         stream=stream,
         buffer=buffer,
         ledger=ledger,
@@ -151,6 +162,17 @@ def _optimizer(
     if optimizer is None:
         warnings.append(f"warning: {where} has no optimizer state: the optimizer starts fresh")
     return optimizer
+
+
+def _sharded_optimizer(
+    training: Mapping[str, Any], save_optimizer: bool, where: str, warnings: list[str]
+) -> bool:
+    if not save_optimizer:
+        return False
+    if not (training.get(SHARDED_INFO) or {}).get("optimizer"):
+        warnings.append(f"warning: {where} has no optimizer state: the optimizer starts fresh")
+        return False
+    return True
 
 
 def _load_stream(stream: PromptStream, state: Mapping[str, Any], where: str) -> None:

@@ -6,6 +6,7 @@ backend); the controller calls them the same way either way: ``await worker.meth
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from ckptstore import ShardReceipt, ShardSave, ShardWriter, WriterOptions
+from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.policy import (
     Policy,
@@ -22,6 +24,7 @@ from trainer.policy import (
     group_advantages,
     grpo_loss,
 )
+from trainer.policy_state import by_name, load_sharded, whole_fits
 from trainer.replay import Rollout
 from trainer.task import reward
 
@@ -46,6 +49,35 @@ class TrainStats:
     kl: float
     #: Fraction of answer tokens whose ratio was clipped.
     clip_frac: float
+
+
+def grpo_objective(
+    cfg: TrainerConfig, model: Policy, reference: Policy, batch: TensorDict
+) -> tuple[torch.Tensor, TrainStats]:
+    """The GRPO loss of ``batch`` (whole groups, in order) and its stats (grad_norm still 0)."""
+    g = cfg.grpo.num_generations_per_prompt
+    n = cfg.task.num_digits
+    tokens = batch["tokens"]
+    advantages = group_advantages(batch["rewards"], g)
+    with torch.no_grad():
+        ref = answer_logprobs(reference, tokens, n)
+    logprobs = answer_logprobs(model, tokens, n)
+    loss, stats = grpo_loss(
+        logprobs,
+        batch["logprobs"],
+        ref,
+        advantages,
+        clip_eps=cfg.grpo.clip_eps,
+        kl_coef=cfg.grpo.kl_coef,
+    )
+    summary = TrainStats(
+        loss=loss.item(),
+        grad_norm=0.0,
+        tokens=int(tokens.shape[0] * n),
+        kl=stats["kl"],
+        clip_frac=stats["clip_frac"],
+    )
+    return loss, summary
 
 
 def policy_config(cfg: TrainerConfig) -> PolicyConfig:
@@ -122,41 +154,29 @@ class PolicyWorker:
         self.reference = Policy(config).eval().requires_grad_(False)
         self.reference.load_state_dict(base_weights)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.policy.lr)
+        self.store = store
         self.shards = ShardWriter(store, options=WriterOptions()) if store is not None else None
         self._save: ShardSave | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    def whole_state(self) -> dict[str, Any]:
+        """The model and optimizer state keyed by name (as a sharded policy's ``whole_state``)."""
+        return {
+            "model": self.model.state_dict(),
+            "optim": by_name(self.model, self.optimizer.state_dict()),
+        }
+
     def train_step(self, batch: TensorDict) -> TrainStats:
         """One GRPO step on ``batch`` (whole groups, in order)."""
-        g = self.cfg.grpo.num_generations_per_prompt
-        n = self.cfg.task.num_digits
-        tokens = batch["tokens"]
-        advantages = group_advantages(batch["rewards"], g)
-        with torch.no_grad():
-            ref = answer_logprobs(self.reference, tokens, n)
         self.model.train()
-        logprobs = answer_logprobs(self.model, tokens, n)
-        loss, stats = grpo_loss(
-            logprobs,
-            batch["logprobs"],
-            ref,
-            advantages,
-            clip_eps=self.cfg.grpo.clip_eps,
-            kl_coef=self.cfg.grpo.kl_coef,
-        )
+        loss, stats = grpo_objective(self.cfg, self.model, self.reference, batch)
         self.optimizer.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
-        return TrainStats(
-            loss=loss.item(),
-            grad_norm=float(grad_norm),
-            tokens=int(tokens.shape[0] * n),
-            kl=stats["kl"],
-            clip_frac=stats["clip_frac"],
-        )
+        return dataclasses.replace(stats, grad_norm=float(grad_norm))
 
     def snapshot_shards(self, save_optimizer: bool) -> None:
         """Snapshot the policy (and optimizer) shards and start uploading them in the
@@ -185,13 +205,18 @@ class PolicyWorker:
 
     def load(self, policy: dict[str, torch.Tensor], optimizer: dict[str, Any] | None) -> bool:
         """Restore saved weights (and optimizer); False, changing nothing, if shapes differ."""
-        own = self.model.state_dict()
-        if set(policy) != set(own) or any(policy[k].shape != own[k].shape for k in own):
+        if not whole_fits(self.model, policy):
             return False
         self.model.load_state_dict(policy)
         if optimizer is not None:
             self.optimizer.load_state_dict(optimizer)
         return True
+
+    def load_sharded(self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool) -> None:
+        """Restore a policy saved sharded by N workers (``policy.num_workers`` > 1), gathered
+        into this one worker by DCP."""
+        assert self.store is not None
+        load_sharded(self.model, self.optimizer, plan, with_optimizer, self.store)
 
     def close(self) -> None:
         if self.shards is not None:

@@ -1,0 +1,345 @@
+"""A policy sharded over N Ray workers: FSDP2 ranks of one torch.distributed group
+(``policy.num_workers`` > 1).
+
+Each :class:`PolicyRank` actor holds its shard of the model and of the AdamW state, trains on
+its part of each batch and saves its own shards through ``ckptstore.integrations.dcp`` in the
+background (``save_shards``: uploads only, on a process group of their own so the upload's
+collectives never interleave with training's). The controller never sees a shard: it talks to a
+:class:`PolicyGroup`, which offers the single policy worker's calls (``await
+group.train_step.remote(batch)``, ...) and fans each out to every rank. The receipts of a save
+come back through rank 0, and the controller commits them with the replay buffer and its own
+state in one transaction. Loads are planned by the controller (it alone opens the manifest) and
+read by every rank from the store: a worker never touches the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import warnings
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from ckptstore import ShardReceipt
+from ckptstore.integrations import dcp as ckpt_dcp
+from trainer.config import TrainerConfig
+from trainer.errors import TrainerError
+from trainer.policy import Policy
+from trainer.policy_state import (
+    apply_whole_state,
+    load_sharded,
+    sharded_state,
+    whole_fits,
+)
+from trainer.workers import TrainStats, grpo_objective, policy_config
+
+#: Seconds a clean close waits for the ranks before they are killed.
+CLOSE_SECONDS = 30.0
+
+
+class PolicyRank:
+    """Rank ``rank`` of ``world``: its shard of the policy and of the optimizer, trained with
+    FSDP2 over gloo (``cpu:gloo,cuda:nccl`` where CUDA is present)."""
+
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        base_weights: dict[str, torch.Tensor],
+        store: str | None,
+        rank: int,
+        world: int,
+    ) -> None:
+        torch.set_num_threads(1)
+        torch.manual_seed(cfg.seed)
+        # The policy's logits are a view (a Linear over [batch, length, width]); nothing here
+        # changes them in place, which is what FSDP2's warning about views is for.
+        warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
+        self.cfg = cfg
+        self.rank = rank
+        self.world = world
+        self.store = store
+        config = policy_config(cfg)
+        self.model = Policy(config)
+        self.model.load_state_dict(base_weights)
+        self.reference = Policy(config).eval().requires_grad_(False)
+        self.reference.load_state_dict(base_weights)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.checkpoint_group: dist.ProcessGroup | None = None
+        self.stager = ckpt_dcp.SnapshotStager()
+        self._save: Future[list[ShardReceipt]] | None = None
+
+    def node(self) -> str:
+        """The Ray node this rank runs on."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
+    def rendezvous(self) -> str:
+        """(Rank 0) where the group meets: this node's address and a free port."""
+        import ray
+
+        host = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            port = probe.getsockname()[1]
+        return f"tcp://{host}:{port}"
+
+    def join(self, address: str) -> None:
+        """Join the group at ``address`` and shard the model (every rank at once)."""
+        timeout = timedelta(seconds=self.cfg.policy.collective_timeout_s)
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend, init_method=address, rank=self.rank, world_size=self.world, timeout=timeout
+        )
+        # Background uploads run their collectives here, never on training's group.
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+        mesh = init_device_mesh("cpu", (self.world,))
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.policy.lr)
+
+    def _optim(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("policy rank used before join()")
+        return self.optimizer
+
+    def train_step(self, batch: TensorDict, weight: float) -> TrainStats:
+        """This rank's part of a GRPO step: its groups' loss, weighted by their share of the
+        batch (``weight``; 0 for a rank with no groups this step, which still takes part in
+        the collectives) so that the gradients FSDP averages are those of the whole batch."""
+        optimizer = self._optim()
+        self.model.train()
+        loss, stats = grpo_objective(self.cfg, self.model, self.reference, batch)
+        optimizer.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss * (weight * self.world))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        optimizer.step()
+        return TrainStats(
+            loss=stats.loss,
+            grad_norm=float(grad_norm),
+            tokens=stats.tokens if weight > 0 else 0,
+            kl=stats.kl,
+            clip_frac=stats.clip_frac,
+        )
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The whole model on rank 0 (gathered from every rank), {} on the others."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        whole: dict[str, torch.Tensor] = get_model_state_dict(self.model, options=options)  # type: ignore[assignment]
+        return whole
+
+    def whole_state(self) -> dict[str, Any]:
+        """The whole model and optimizer state (keyed by name) on rank 0, gathered from every
+        rank; {} on the others. For inspection and export: a save never gathers."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model = get_model_state_dict(self.model, options=options)
+        optim = get_optimizer_state_dict(self.model, self._optim(), options=options)
+        return {"model": model, "optim": optim} if self.rank == 0 else {}
+
+    def snapshot_shards(self, save_optimizer: bool) -> None:
+        """Copy this rank's shards into reused host buffers and upload them in the background."""
+        if self.store is None:
+            raise RuntimeError("this policy rank was started without a checkpoint store")
+        if self._save is not None:
+            raise RuntimeError("snapshot_shards() before the previous save's receipts were taken")
+        state = sharded_state(self.model, self._optim(), save_optimizer)
+        upload = ckpt_dcp.save_shards(
+            state,
+            self.store,
+            process_group=self.checkpoint_group,
+            async_save=True,
+            stager=self.stager,
+        )
+        assert isinstance(upload, Future)
+        self._save = upload
+
+    def upload_done(self) -> bool:
+        """Whether the last snapshot's upload has finished (or failed)."""
+        return self._save is not None and self._save.done()
+
+    def shard_receipts(self) -> list[ShardReceipt]:
+        """Wait for the last snapshot's upload: every receipt of the save on rank 0 (the
+        ranks' components and DCP's metadata), [] on the others; raises its ``SaveError``."""
+        save, self._save = self._save, None
+        if save is None:
+            raise RuntimeError("shard_receipts() without a snapshot_shards() first")
+        return save.result()
+
+    def load_whole(self, policy: dict[str, torch.Tensor], optimizer: dict[str, Any] | None) -> bool:
+        """Take this rank's shard of a policy saved whole; False, changing nothing, if it does
+        not fit the model."""
+        if not whole_fits(self.model, policy):
+            return False
+        apply_whole_state(self.model, self._optim(), policy, optimizer)
+        return True
+
+    def load_sharded(self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool) -> None:
+        """Read this rank's shard of a sharded checkpoint (any number of saving ranks)."""
+        if self.store is None:
+            raise RuntimeError("this policy rank was started without a checkpoint store")
+        load_sharded(self.model, self._optim(), plan, with_optimizer, self.store)
+
+    def close(self) -> None:
+        """Wait for an upload nobody collected, then leave the group."""
+        save, self._save = self._save, None
+        try:
+            if save is not None:
+                save.result()
+        finally:
+            self.stager.release()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _Call:
+    """``group.method.remote(...)``: the spelling the controller uses for every worker."""
+
+    def __init__(self, method: Callable[..., Awaitable[Any]]) -> None:
+        self.remote = method
+
+
+class PolicyGroup:
+    """N :class:`PolicyRank` actors behind the calls of one policy worker."""
+
+    def __init__(self, cfg: TrainerConfig, ranks: list[Any], nodes: list[str]) -> None:
+        self.cfg = cfg
+        self.ranks = ranks
+        #: The Ray node of each rank.
+        self.nodes = nodes
+        #: A rank failed (or died): close kills the actors instead of asking them.
+        self.broken = False
+        self.train_step = _Call(self._train_step)
+        self.weights = _Call(self._weights)
+        self.whole_state = _Call(self._whole_state)
+        self.snapshot_shards = _Call(self._snapshot_shards)
+        self.shard_receipts = _Call(self._shard_receipts)
+        self.load = _Call(self._load)
+        self.load_sharded = _Call(self._load_sharded)
+        self.close = _Call(self._close)
+
+    @classmethod
+    async def start(
+        cls, cfg: TrainerConfig, base_weights: dict[str, torch.Tensor], store: str | None
+    ) -> PolicyGroup:
+        """Place the ranks (each with ``policy.worker_resources``), form the group, shard."""
+        import ray
+
+        world = cfg.policy.num_workers
+        options: dict[str, Any] = {"num_cpus": 0}
+        if cfg.policy.worker_resources:
+            options["resources"] = dict(cfg.policy.worker_resources)
+        weights = ray.put(base_weights)
+        actor = ray.remote(**options)(PolicyRank)
+        ranks: list[Any] = [actor.remote(cfg, weights, store, rank, world) for rank in range(world)]
+        group = cls(cfg, ranks, [])
+        wait = cfg.policy.collective_timeout_s
+        try:
+            nodes = await asyncio.wait_for(
+                asyncio.gather(*(rank.node.remote() for rank in ranks)), wait
+            )
+        except TimeoutError:
+            group.broken = True
+            await group._close()
+            raise TrainerError(
+                f"the {world} policy workers could not all be placed within {wait:.0f} s: the "
+                f"Ray cluster lacks the resources for them (each asks for "
+                f"{options.get('resources') or 'no custom resources'}); lower "
+                "policy.num_workers, change policy.worker_resources or add nodes"
+            ) from None
+        group.nodes = list(nodes)
+        address = await group._all([ranks[0].rendezvous.remote()])
+        await group._all([rank.join.remote(address[0]) for rank in ranks])
+        return group
+
+    async def _all(self, calls: list[Any]) -> list[Any]:
+        """Every rank's answer; the first failure marks the group broken and is raised."""
+        try:
+            return list(await asyncio.gather(*calls))
+        except BaseException:
+            self.broken = True
+            raise
+
+    async def _train_step(self, batch: TensorDict) -> TrainStats:
+        """Split the batch's groups over the ranks (contiguous, as even as can be), train,
+        and combine the ranks' stats weighted by their share of the batch."""
+        size = self.cfg.grpo.num_generations_per_prompt
+        rows = int(batch.batch_size[0])
+        groups, world = rows // size, len(self.ranks)
+        calls, weights, start = [], [], 0
+        for rank, actor in enumerate(self.ranks):
+            count = groups // world + (1 if rank < groups % world else 0)
+            part = batch[start * size : (start + count) * size] if count else batch[:size]
+            weight = count * size / rows
+            calls.append(actor.train_step.remote(part, weight))
+            weights.append(weight)
+            start += count
+        stats: list[TrainStats] = await self._all(calls)
+        return TrainStats(
+            loss=sum(w * s.loss for w, s in zip(weights, stats, strict=True)),
+            grad_norm=stats[0].grad_norm,
+            tokens=sum(s.tokens for s in stats),
+            kl=sum(w * s.kl for w, s in zip(weights, stats, strict=True)),
+            clip_frac=sum(w * s.clip_frac for w, s in zip(weights, stats, strict=True)),
+        )
+
+    async def _weights(self) -> dict[str, torch.Tensor]:
+        parts = await self._all([rank.weights.remote() for rank in self.ranks])
+        whole: dict[str, torch.Tensor] = parts[0]
+        return whole
+
+    async def _whole_state(self) -> dict[str, Any]:
+        parts = await self._all([rank.whole_state.remote() for rank in self.ranks])
+        whole: dict[str, Any] = parts[0]
+        return whole
+
+    async def _snapshot_shards(self, save_optimizer: bool) -> None:
+        await self._all([rank.snapshot_shards.remote(save_optimizer) for rank in self.ranks])
+
+    async def _shard_receipts(self, wait: bool) -> list[ShardReceipt] | None:
+        """Every receipt of the last save (None if ``wait`` is false and a rank still
+        uploads); a rank's failure is raised."""
+        if not wait:
+            done = await self._all([rank.upload_done.remote() for rank in self.ranks])
+            if not all(done):
+                return None
+        parts = await self._all([rank.shard_receipts.remote() for rank in self.ranks])
+        return [receipt for part in parts for receipt in part]
+
+    async def _load(self, policy: dict[str, Any], optimizer: dict[str, Any] | None) -> bool:
+        import ray
+
+        refs = ray.put(policy), ray.put(optimizer)
+        fits = await self._all([rank.load_whole.remote(*refs) for rank in self.ranks])
+        return all(fits)
+
+    async def _load_sharded(self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool) -> None:
+        await self._all([rank.load_sharded.remote(plan, with_optimizer) for rank in self.ranks])
+
+    async def _close(self) -> None:
+        """Leave the group cleanly (waiting for uploads nobody collected) when every rank is
+        healthy; kill the actors in any case, so a rank stuck in a collective with a lost one
+        never holds the run."""
+        import ray
+
+        try:
+            if not self.broken:
+                await asyncio.wait_for(
+                    self._all([rank.close.remote() for rank in self.ranks]), CLOSE_SECONDS
+                )
+        finally:
+            for rank in self.ranks:
+                ray.kill(rank)
