@@ -12,7 +12,9 @@ from :mod:`ckptstore.errors` or from the package's top level -- never from the l
   state can be stored at all.
 - **Find**: ``Run.latest(before_step=...)``, ``Run.checkpoint(step)`` and ``Run.load`` return
   :class:`CheckpointInfo` records (with their :class:`ComponentInfo`); no integration queries
-  the manifest itself.
+  the manifest itself. A coordinator hands a record to ranks that never open the manifest as
+  JSON: :func:`checkpoint_info_to_json` / :func:`checkpoint_info_from_json` (every field,
+  checked).
 - **Read**: a :class:`ComponentReader` per stored component (its index, any entries, a
   subtree), and a :class:`BlobCache` that a batch of byte-range reads shares (each blob fetched
   and verified once). :class:`Entry` is what an index lists; :func:`torch_dtype` /
@@ -49,7 +51,12 @@ from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
 from ckptstore.checkpointer.snapshot import HostBuffers
 from ckptstore.durations import parse_duration
 from ckptstore.manifest import Database
-from ckptstore.manifest.records import CheckpointInfo, ComponentInfo
+from ckptstore.manifest.records import (
+    CheckpointInfo,
+    ComponentInfo,
+    checkpoint_info_from_json,
+    checkpoint_info_to_json,
+)
 from ckptstore.names import check_step, parse_step_id
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
@@ -79,6 +86,8 @@ __all__ = [
     "SourceTensor",
     "WriterOptions",
     "check_digest",
+    "checkpoint_info_from_json",
+    "checkpoint_info_to_json",
     "check_savable",
     "check_shape",
     "check_tiling",

@@ -9,19 +9,24 @@ metadata component's digest are all a reader needs.
 
 from __future__ import annotations
 
-import dataclasses
-import datetime as dt
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from ckptstore.errors import CkptStoreError, ComponentNotFoundError, ConfigError
-from ckptstore.floor import CheckpointInfo, ComponentInfo, check_digest, check_step
+from ckptstore.errors import ComponentNotFoundError, ConfigError, IntegrityError
+from ckptstore.floor import (
+    CheckpointInfo,
+    check_digest,
+    checkpoint_info_from_json,
+    checkpoint_info_to_json,
+)
 from ckptstore.integrations.dcp._metadata import METADATA_COMPONENT
 
 PLAN_FORMAT = "ckptstore/dcp-load-plan"
 PLAN_VERSION = 1
+#: What the plan's errors call it.
+_WHAT = "DCP load plan"
+#: The keys of a plan document (its checkpoint record is checked by checkpoint_info_from_json).
+_PLAN_KEYS = {"format", "version", "store_url", "checkpoint"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,7 @@ class LoadPlan:
                 "format": PLAN_FORMAT,
                 "version": PLAN_VERSION,
                 "store_url": self.store_url,
-                "checkpoint": _record_to_json(self.info),
+                "checkpoint": checkpoint_info_to_json(self.info),
             },
             sort_keys=True,
         )
@@ -91,17 +96,21 @@ class LoadPlan:
                 f"DCP load plan version {doc.get('version')!r}: this ckptstore reads version "
                 f"{PLAN_VERSION}; plan and load with the same ckptstore version"
             )
-        _check_keys(doc, {"format", "version", "store_url", "checkpoint"}, "the plan")
+        missing, extra = sorted(_PLAN_KEYS - set(doc)), sorted(set(doc) - _PLAN_KEYS)
+        if missing or extra:
+            raise ConfigError(
+                f"{_WHAT}: the plan lacks {missing} and has unknown {extra}; plan and load with "
+                "the same ckptstore version"
+            )
         store_url = doc["store_url"]
         if store_url is not None and not isinstance(store_url, str):
-            raise ConfigError("DCP load plan: store_url must be a string or null")
-        try:
-            info = _record_from_json(CheckpointInfo, doc["checkpoint"], "checkpoint")
-            check_step(info.step)
-            for component in info.components:
+            raise ConfigError(f"{_WHAT}: store_url must be a string or null")
+        info = checkpoint_info_from_json(doc["checkpoint"], what=_WHAT)
+        for component in info.components:
+            try:
                 check_digest(component.index_digest)
-        except CkptStoreError as exc:
-            raise ConfigError(f"DCP load plan: {exc}") from None
+            except IntegrityError as exc:  # a malformed document, not damaged bytes (§12)
+                raise ConfigError(f"{_WHAT}: component {component.name!r}: {exc}") from None
         return cls(info, store_url)
 
 
@@ -114,84 +123,3 @@ def _metadata_digest(info: CheckpointInfo) -> str:
         f"not saved through torch DCP with ckptstore (components: "
         f"{sorted(c.name for c in info.components)})"
     )
-
-
-# -- records as JSON: every field of the record, so a new column travels without code here ---
-
-
-def _record_to_json(record: Any) -> dict[str, Any]:
-    doc = {}
-    for field in dataclasses.fields(record):
-        value = getattr(record, field.name)
-        if isinstance(value, dt.datetime):
-            value = value.isoformat()
-        elif isinstance(value, tuple):
-            value = [_record_to_json(item) for item in value]
-        doc[field.name] = value
-    return doc
-
-
-def _record_from_json(record_type: type[Any], doc: Any, where: str) -> Any:
-    fields = dataclasses.fields(record_type)
-    if not isinstance(doc, dict):
-        raise ConfigError(f"DCP load plan: {where} must be a JSON object")
-    _check_keys(doc, {f.name for f in fields}, where)
-    values = {}
-    for field in fields:
-        read = _READERS.get(str(field.type))
-        if read is None:  # a record field of a type this module was not taught
-            raise ConfigError(f"DCP load plan: cannot read {where}.{field.name} ({field.type})")
-        try:
-            values[field.name] = read(doc[field.name])
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"DCP load plan: {where}.{field.name} is {doc[field.name]!r}, not {field.type}"
-            ) from None
-    return record_type(**values)
-
-
-def _check_keys(doc: dict[str, Any], wanted: set[str], where: str) -> None:
-    missing, extra = sorted(wanted - set(doc)), sorted(set(doc) - wanted)
-    if missing or extra:
-        raise ConfigError(
-            f"DCP load plan: {where} lacks {missing} and has unknown {extra}; plan and load "
-            "with the same ckptstore version"
-        )
-
-
-def _of(kind: type[Any], optional: bool = False) -> Callable[[Any], Any]:
-    def read(value: Any) -> Any:
-        if value is None and optional:
-            return None
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            return float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-            raise TypeError(value)
-        return value
-
-    return read
-
-
-def _datetime(value: Any) -> dt.datetime | None:
-    return None if value is None else dt.datetime.fromisoformat(_of(str)(value))
-
-
-def _components(value: Any) -> tuple[ComponentInfo, ...]:
-    if not isinstance(value, list):
-        raise TypeError(value)
-    return tuple(
-        _record_from_json(ComponentInfo, item, f"checkpoint.components[{i}]")
-        for i, item in enumerate(value)
-    )
-
-
-#: How each field type of the records reads back from JSON.
-_READERS: dict[str, Callable[[Any], Any]] = {
-    "int": _of(int),
-    "str": _of(str),
-    "str | None": _of(str, optional=True),
-    "float | None": _of(float, optional=True),
-    "dt.datetime | None": _datetime,
-    "dict[str, Any] | None": _of(dict, optional=True),
-    "tuple[ComponentInfo, ...]": _components,
-}

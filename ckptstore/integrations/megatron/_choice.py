@@ -10,46 +10,26 @@ ckptstore object crosses between the ranks.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Any
 
 from ckptstore import errors
 from ckptstore.errors import CkptStoreError
-from ckptstore.floor import CheckpointInfo, ComponentInfo, ObjectStore
+from ckptstore.floor import ObjectStore, checkpoint_info_from_json, checkpoint_info_to_json
 from ckptstore.integrations._common.megatron_source import Source
 
-#: The fields of a CheckpointInfo that are times (sent as ISO 8601 text).
-_TIMES = ("created_at", "committed_at")
+#: What the record's errors call the message it came in.
+_WHAT = "Megatron load: the checkpoint rank 0 chose"
 
 
 def choice_to_json(source: Source) -> dict[str, Any]:
     """The checkpoint rank 0 opened, as the other ranks need it."""
-    return {"info": info_to_json(source.info), "meta": source.shared_meta()}
+    return {"info": checkpoint_info_to_json(source.info), "meta": source.shared_meta()}
 
 
 def source_from_json(store: ObjectStore, doc: dict[str, Any]) -> Source:
     """Rank 0's choice, open for reading from ``store`` (the meta is checked again, as any
     rank checks what it reads; nothing else is fetched yet)."""
-    return Source(store, info_from_json(doc["info"]), doc["meta"])
-
-
-def info_to_json(info: CheckpointInfo) -> dict[str, Any]:
-    """A checkpoint record as plain JSON values (times as ISO 8601 text)."""
-    doc = info.as_dict()
-    for name in _TIMES:
-        value = doc[name]
-        doc[name] = None if value is None else value.isoformat()
-    return doc
-
-
-def info_from_json(doc: dict[str, Any]) -> CheckpointInfo:
-    """The record :func:`info_to_json` sent."""
-    fields = dict(doc)
-    for name in _TIMES:
-        value = fields[name]
-        fields[name] = None if value is None else dt.datetime.fromisoformat(value)
-    fields["components"] = tuple(ComponentInfo(**c) for c in fields["components"])
-    return CheckpointInfo(**fields)
+    return Source(store, checkpoint_info_from_json(doc["info"], what=_WHAT), doc["meta"])
 
 
 def error_to_json(exc: BaseException) -> dict[str, str]:
