@@ -44,7 +44,9 @@ def spawn(cls: type, backend: str, *args: Any, **kwargs: Any) -> Any:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     # num_cpus=0: the actors share the machine's cores instead of each reserving one. They
-    # stay beside the caller (the controller) when its node can hold them; only the sharded
-    # policy's ranks (trainer.sharded) are spread by their own resources.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # stay beside the caller (the controller), so losing another node never takes them; only
+    # the sharded policy's ranks (trainer.sharded) are spread by their own resources. A hard
+    # affinity: with a soft one Ray 2.60 places zero-CPU actors on any node (it spreads them
+    # while the caller's node starts workers), and the caller's node can always hold them.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(num_cpus=0)(cls).options(scheduling_strategy=here).remote(*args, **kwargs)

@@ -414,7 +414,9 @@ class TrainerCheckpointer:
     async def _commit(self, pending: PendingSave, policy_receipts: list[ShardReceipt]) -> None:
         assert self.run is not None
         self.pending = None
-        receipts = [*policy_receipts, *pending.buffer.receipts()]
+        # The replay buffer's upload may still be running (a flush): waited for off the loop.
+        buffer_receipts = await asyncio.to_thread(pending.buffer.receipts)
+        receipts = [*policy_receipts, *buffer_receipts]
         # One commit in flight: report the previous one (Run.save would wait for it anyway).
         await asyncio.to_thread(self._wait_committed)
         # A synchronous save blocked training from its start until now (the uploads included);

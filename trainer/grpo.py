@@ -203,11 +203,17 @@ def _known_error(exc: BaseException) -> BaseException | None:
     its cause); ckptstore errors exit 2 (their message names what to fix)."""
     seen: BaseException | None = exc
     for _ in range(5):
-        if isinstance(seen, TrainerError | CkptStoreError):
-            return seen
         if seen is None:
             return None
-        seen = getattr(seen, "cause", None) or seen.__cause__
+        # Ray's wrapper first: it is also an instance of the error it wraps, but its message is
+        # the remote traceback, not the error's own.
+        cause = getattr(seen, "cause", None)
+        if isinstance(cause, BaseException):
+            seen = cause
+            continue
+        if isinstance(seen, TrainerError | CkptStoreError):
+            return seen
+        seen = seen.__cause__
     return None
 
 

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ckptstore import ShardReceipt
+from ckptstore import IntegrityError, ShardReceipt
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerError
@@ -48,6 +48,15 @@ from trainer.workers import TrainStats, grpo_objective, policy_config
 
 #: Seconds a clean close waits for the ranks before they are killed.
 CLOSE_SECONDS = 30.0
+#: Seconds the ranks may take to be placed and started. Not policy.collective_timeout_s: a new
+#: worker process imports torch and builds the model, which takes tens of seconds on a busy
+#: node; a cluster that can never hold the ranks is refused at once (_check_resources).
+PLACE_SECONDS = 300.0
+#: How long a background upload's collectives wait for the slowest rank's upload. Not
+#: policy.collective_timeout_s: uploads of a large model legitimately take minutes and a store
+#: may stall for a while; a rank that is gone is found by the controller (its calls fail) and
+#: the survivors are killed, which ends their waits.
+UPLOAD_TIMEOUT = timedelta(hours=1)
 
 
 class PolicyRank:
@@ -105,7 +114,7 @@ class PolicyRank:
             backend, init_method=address, rank=self.rank, world_size=self.world, timeout=timeout
         )
         # Background uploads run their collectives here, never on training's group.
-        self.checkpoint_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.checkpoint_group = dist.new_group(backend="gloo", timeout=UPLOAD_TIMEOUT)
         mesh = init_device_mesh("cpu", (self.world,))
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
@@ -205,6 +214,22 @@ class PolicyRank:
                 dist.destroy_process_group()
 
 
+def _check_resources(world: int, each: dict[str, float]) -> None:
+    """Refuse at once ranks that the whole cluster could never hold (what is free is only
+    known by trying: :meth:`PolicyGroup.start` waits for that)."""
+    import ray
+
+    total = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    short = {k: v * world for k, v in each.items() if total.get(k, 0.0) < v * world}
+    if short:
+        have = {k: total.get(k, 0.0) for k in short}
+        raise TrainerError(
+            f"policy.num_workers={world} with policy.worker_resources={each} needs {short} in "
+            f"all, but the Ray cluster has {have}: lower policy.num_workers, change "
+            "policy.worker_resources or add nodes with those resources"
+        )
+
+
 class _Call:
     """``group.method.remote(...)``: the spelling the controller uses for every worker."""
 
@@ -242,11 +267,12 @@ class PolicyGroup:
         options: dict[str, Any] = {"num_cpus": 0}
         if cfg.policy.worker_resources:
             options["resources"] = dict(cfg.policy.worker_resources)
+        _check_resources(world, options.get("resources", {}))
         weights = ray.put(base_weights)
         actor = ray.remote(**options)(PolicyRank)
         ranks: list[Any] = [actor.remote(cfg, weights, store, rank, world) for rank in range(world)]
         group = cls(cfg, ranks, [])
-        wait = cfg.policy.collective_timeout_s
+        wait = PLACE_SECONDS
         try:
             nodes = await asyncio.wait_for(
                 asyncio.gather(*(rank.node.remote() for rank in ranks)), wait
@@ -255,8 +281,8 @@ class PolicyGroup:
             group.broken = True
             await group._close()
             raise TrainerError(
-                f"the {world} policy workers could not all be placed within {wait:.0f} s: the "
-                f"Ray cluster lacks the resources for them (each asks for "
+                f"the {world} policy workers could not all be placed and started within "
+                f"{wait:.0f} s: the Ray cluster lacks free resources for them (each asks for "
                 f"{options.get('resources') or 'no custom resources'}); lower "
                 "policy.num_workers, change policy.worker_resources or add nodes"
             ) from None
@@ -266,12 +292,46 @@ class PolicyGroup:
         return group
 
     async def _all(self, calls: list[Any]) -> list[Any]:
-        """Every rank's answer; the first failure marks the group broken and is raised."""
+        """Every rank's answer; the first failure marks the group broken and is raised, as a
+        TrainerError naming the lost ranks when some rank is gone (the survivors' collectives
+        usually fail first, with errors that do not say why). Damage a load found
+        (``IntegrityError``) is raised by every rank together and leaves the group whole."""
         try:
             return list(await asyncio.gather(*calls))
+        except IntegrityError:
+            raise
+        except Exception as exc:
+            self.broken = True
+            lost = await self._lost_ranks()
+            if not lost:
+                raise
+            where = ", ".join(f"rank {r} on node {self.nodes[r][:12]}" for r in lost)
+            raise TrainerError(
+                f"policy worker(s) lost: {where} died or stopped answering (the group of "
+                f"{len(self.ranks)} failed with {type(exc).__name__}); nothing they were saving "
+                "is committed. Re-run the same command to resume from the last committed "
+                "checkpoint, with a policy.num_workers the cluster can still place"
+            ) from exc
         except BaseException:
             self.broken = True
             raise
+
+    async def _lost_ranks(self) -> list[int]:
+        """The ranks that are dead or do not answer within the collective timeout (plus a
+        margin: a survivor answers once its own collective has failed)."""
+        import ray
+
+        wait = self.cfg.policy.collective_timeout_s + 10.0
+
+        async def lost(rank: Any) -> bool:
+            try:
+                await asyncio.wait_for(rank.node.remote(), wait)
+            except (ray.exceptions.RayActorError, TimeoutError):
+                return True
+            return False
+
+        found = await asyncio.gather(*(lost(rank) for rank in self.ranks))
+        return [r for r, gone in enumerate(found) if gone]
 
     async def _train_step(self, batch: TensorDict) -> TrainStats:
         """Split the batch's groups over the ranks (contiguous, as even as can be), train,
