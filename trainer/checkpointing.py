@@ -14,11 +14,9 @@ time from the first snapshot to the commit. One start opens the database and the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,6 @@ from ckptstore import (
     Run,
     SaveHandle,
     ShardReceipt,
-    ShardSave,
     ShardWriter,
     WriterOptions,
     open_run,
@@ -53,35 +50,17 @@ from trainer.config import (
     training_config,
 )
 from trainer.errors import ResumeError
+from trainer.pending import PendingSave, settle
 from trainer.policy import Policy
-from trainer.policy_state import SHARDED_INFO, is_sharded
+from trainer.policy_state import SHARDED_INFO
+from trainer.resume import KINDS, load_to_resume
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
 RANKED_TRIGGERS = frozenset({"period"})
-#: Kinds of the controller's own components.
-KINDS = {"dataloader": "dataloader", "rollout_state": "state", "replay_buffer": "replay_buffer"}
-#: What the controller itself loads of a checkpoint whose policy is sharded.
-CONTROLLER_COMPONENTS = tuple(KINDS)
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-@dataclass
-class PendingSave:
-    """A save whose shards are still uploading; committed once every receipt has arrived."""
-
-    step: int
-    trigger: str
-    started_at: float
-    #: perf_counter() when the save began, and the seconds its snapshots blocked training.
-    began: float
-    blocked: float
-    components: dict[str, Any]
-    training_info: dict[str, Any]
-    metrics: dict[str, Any]
-    buffer: ShardSave  # the replay buffer's upload
 
 
 class TrainerCheckpointer:
@@ -253,7 +232,7 @@ class TrainerCheckpointer:
             return None
         name, step = self.fork_parent
         with self._open(name, writable=False) as parent:
-            return _load(parent, step)  # the step the fork's lineage records
+            return load_to_resume(parent, step)  # the step the fork's lineage records
 
     def _has_checkpoint(self, name: str) -> bool:
         """Whether ``name`` has history of its own (committed checkpoints, or corrupt ones,
@@ -269,7 +248,7 @@ class TrainerCheckpointer:
         ``checkpointing.start_fresh`` (its history is never silently abandoned)."""
         assert self.run is not None
         try:
-            loaded = _load(self.run) if self.run.latest() is not None else None
+            loaded = load_to_resume(self.run) if self.run.latest() is not None else None
         except CheckpointNotFoundError:  # every checkpoint failed verification
             if not self._lost_history():
                 raise
@@ -407,7 +386,7 @@ class TrainerCheckpointer:
             receipts = await policy.shard_receipts.remote(True)
         except Exception as exc:
             # The save's other half is seen with it (often the same broken store), not later.
-            await asyncio.to_thread(_settle, pending.buffer, exc)
+            await asyncio.to_thread(settle, pending.buffer, exc)
             raise
         await self._commit(pending, receipts)
 
@@ -518,26 +497,3 @@ class TrainerCheckpointer:
             self._emit_saved(info)
         self.committing = None
         self.kept_steps = [c.step for c in run.checkpoints(["committed"])]
-
-
-def _load(run: Run, step: int | None = None) -> LoadedCheckpoint:
-    """A checkpoint to resume from (``step``, or the newest that verifies). A sharded policy's
-    components are left to the policy workers, which read them from the store themselves."""
-    info = run.checkpoint(step) if step is not None else run.latest()
-    if info is None or not is_sharded(info):
-        loaded = run.load(step)
-    else:
-        loaded = run.load(step, components=CONTROLLER_COMPONENTS)
-    if is_sharded(loaded.info) or "policy" in loaded.state:
-        return loaded
-    # Fell back past a corrupt sharded checkpoint to one whose policy was saved whole.
-    whole = run.load(loaded.info.step)
-    return dataclasses.replace(whole, skipped=loaded.skipped)
-
-
-def _settle(save: ShardSave, failure: BaseException) -> None:
-    """Wait for ``save``; its own failure becomes a note on ``failure``."""
-    try:
-        save.receipts()
-    except Exception as exc:
-        failure.add_note(f"trainer: the replay buffer's upload failed too: {exc!r}")

@@ -23,11 +23,12 @@ What carries over when the configuration changed between the runs:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore import LoadedCheckpoint
+from ckptstore import LoadedCheckpoint, Run
 from trainer.config import TrainerConfig
 from trainer.data import PromptStream
 from trainer.errors import ResumeError
@@ -36,6 +37,12 @@ from trainer.policy_state import SHARDED_INFO, is_sharded
 from trainer.replay import ReplayBuffer, ReplayBufferError
 
 __all__ = ["Restored", "read_checkpoint"]
+
+
+#: Kinds of the controller's own components.
+KINDS = {"dataloader": "dataloader", "rollout_state": "state", "replay_buffer": "replay_buffer"}
+#: What the controller itself loads of a checkpoint whose policy is sharded.
+CONTROLLER_COMPONENTS = tuple(KINDS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +74,21 @@ class Restored:
     skipped: list[tuple[int, int]]
     #: Lines to print (each a warning).
     warnings: list[str]
+
+
+def load_to_resume(run: Run, step: int | None = None) -> LoadedCheckpoint:
+    """A checkpoint to resume from (``step``, or the newest that verifies). A sharded policy's
+    components are left to the policy workers, which read them from the store themselves."""
+    info = run.checkpoint(step) if step is not None else run.latest()
+    if info is None or not is_sharded(info):
+        loaded = run.load(step)
+    else:
+        loaded = run.load(step, components=CONTROLLER_COMPONENTS)
+    if is_sharded(loaded.info) or "policy" in loaded.state:
+        return loaded
+    # Fell back past a corrupt sharded checkpoint to one whose policy was saved whole.
+    whole = run.load(loaded.info.step)
+    return dataclasses.replace(whole, skipped=loaded.skipped)
 
 
 def read_checkpoint(

@@ -166,7 +166,7 @@ def _record_from_json(record_type: type[Any], doc: object, what: str, where: str
     for field in fields:
         read = _READERS.get(str(field.type))
         if read is None:  # a programming error, not the document's: no ConfigError
-            raise NotImplementedError(
+            raise TypeError(
                 f"{record_type.__name__}.{field.name} is of type {field.type}, which has no "
                 "JSON reader: add one to _READERS in ckptstore/manifest/records.py"
             )
