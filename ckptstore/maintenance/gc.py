@@ -12,7 +12,15 @@
 - **Orphans**: objects under ``cas/`` with no row (a crashed save's uploads) older than the
   grace period are deleted, re-checked under the same lock.
 
-Only one GC runs at a time (a lease row in ``gc_lease``). ``dry_run`` reports what would happen.
+Only one GC runs at a time (a lease row in ``gc_lease``, renewed while a long pass runs).
+``dry_run`` reports what would happen.
+
+Cost (issue 25): each phase walks the blob table in windows of ``_WINDOW`` digests (or of
+listed objects). A read without any lock finds a window's candidates; write transactions then
+take batches of them, check each blob again under the GC lock and act, with set-based
+statements (one per batch, whatever its size). So memory stays bounded by a window, a pass
+with nothing to do writes nothing, and commits wait for one batch at most: :class:`Pace` sizes
+the batches to hold the lock about half a second (the goal: never a second).
 """
 
 from __future__ import annotations
@@ -22,10 +30,11 @@ import datetime as dt
 import logging
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.errors import GcBusyError
@@ -43,8 +52,10 @@ log = logging.getLogger("ckptstore.gc")
 
 DEFAULT_GRACE = dt.timedelta(hours=6)
 LEASE_TTL = dt.timedelta(minutes=15)
-_BATCH = 500
+#: Blob rows (or listed objects) one read of a pass takes: what a GC holds in memory at once.
+_WINDOW = 10_000
 Progress = Callable[[str, int], None]
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -68,15 +79,56 @@ class GcReport:
     corrupt_checkpoints: int = 0
     release_corrupt: bool = False
     errors: list[str] = field(default_factory=list)
+    #: Wall seconds of each phase: ``mark``, ``sweep``, ``orphans``, ``incomplete``.
+    seconds: dict[str, float] = field(default_factory=dict)
+    #: The longest write transaction of the pass, in seconds (it held the GC lock, which
+    #: commits wait for, at most that long).
+    longest_batch_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class Pace:
+    """The size of the next batch a write transaction handles under the GC lock, adjusted
+    after each batch so that one holds the lock about ``target`` seconds (commits wait for it):
+    a slow store or database gets smaller batches, a fast one larger, never past ``most``."""
+
+    size: int
+    most: int
+    target: float = 0.5
+    least: int = 16
+
+    def batches(self, items: Sequence[T]) -> Iterator[Sequence[T]]:
+        """``items`` in consecutive batches of the current size (read again for each)."""
+        start = 0
+        while start < len(items):
+            batch = items[start : start + self.size]
+            yield batch
+            start += len(batch)
+
+    def took(self, seconds: float, done: int) -> None:
+        """A batch of ``done`` items held the lock ``seconds``: size the next one."""
+        if done < self.size:  # a short last batch says little about the rate
+            return
+        wanted = int(done * self.target / max(seconds, 1e-3))
+        self.size = max(self.least, min(self.most, 2 * self.size, max(wanted, self.size // 2)))
 
 
 @contextlib.contextmanager
-def gc_lease(db: Database, holder: str | None = None) -> Iterator[str]:
-    """Hold the single GC lease for the duration of the block."""
+def gc_lease(db: Database, holder: str | None = None) -> Iterator[Callable[[], None]]:
+    """Hold the single GC lease for the duration of the block; yields a function that renews
+    it (cheaply, only once a third of its time has passed) for passes longer than its TTL."""
     holder = holder or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
     garbage.take_lease(db, holder, LEASE_TTL)
+    taken = time.monotonic()
+
+    def renew() -> None:
+        nonlocal taken
+        if time.monotonic() - taken > LEASE_TTL.total_seconds() / 3:
+            garbage.take_lease(db, holder, LEASE_TTL)
+            taken = time.monotonic()
+
     try:
-        yield holder
+        yield renew
     finally:
         with contextlib.suppress(Exception):  # an expired lease frees itself anyway
             garbage.release_lease(db, holder)
@@ -95,86 +147,140 @@ def collect_garbage(
     report = GcReport(
         dry_run=dry_run, grace_seconds=grace.total_seconds(), release_corrupt=release_corrupt
     )
-    with gc_lease(db):
+    with gc_lease(db) as renew:
+        pass_ = _Pass(db, store, report, renew, progress)
         kept = garbage.kept_for_corrupt(db)
         report.kept_for_corrupt, report.kept_for_corrupt_bytes, report.corrupt_checkpoints = kept
         if release_corrupt and not dry_run:
             # Given up on: deleted, so this GC takes their blobs and verify stops reporting them.
             transactions.release_corrupt(db)
-        report.condemned, report.condemned_bytes = garbage.condemn(
-            db, utcnow() - grace, release_corrupt=release_corrupt, dry_run=dry_run
-        )
-        _sweep(db, store, grace, report, progress)
-        _sweep_orphans(db, store, grace, report, progress)
-        report.incomplete, report.incomplete_bytes = store.sweep_incomplete(
-            grace.total_seconds(), dry_run=dry_run
-        )
+        with pass_.timed("mark"):
+            pass_.mark(utcnow() - grace)
+        with pass_.timed("sweep"):
+            pass_.sweep(utcnow() - grace)
+        with pass_.timed("orphans"):
+            pass_.sweep_orphans((utcnow() - grace).timestamp())
+        with pass_.timed("incomplete"):
+            report.incomplete, report.incomplete_bytes = store.sweep_incomplete(
+                grace.total_seconds(), dry_run=dry_run
+            )
     return report
 
 
-def _sweep(
-    db: Database,
-    store: ObjectStore,
-    grace: dt.timedelta,
-    report: GcReport,
-    progress: Progress | None,
-) -> None:
-    cutoff = utcnow() - grace
-    doomed = garbage.sweepable(db, cutoff, release_corrupt=report.release_corrupt)
-    if report.dry_run:
-        report.swept = len(doomed)
-        report.swept_bytes = sum(size for _, size in doomed)
-        return
-    for i in range(0, len(doomed), _BATCH):
-        batch = [d for d, _ in doomed[i : i + _BATCH]]
-        count, size = garbage.sweep(
-            db,
-            batch,
-            cutoff,
-            release_corrupt=report.release_corrupt,
-            delete_objects=lambda digests: store.delete(blob_key(d) for d in digests),
-        )
-        report.swept += count
-        report.swept_bytes += size
-        if progress:
-            progress("sweep", count)
+@dataclass(slots=True)
+class _Pass:
+    """One GC's walk over the manifest and the store, window by window."""
 
+    db: Database
+    store: ObjectStore
+    report: GcReport
+    renew: Callable[[], None]
+    progress: Progress | None
+    condemning: Pace = field(default_factory=lambda: Pace(size=2_000, most=_WINDOW))
+    #: A first sweep batch of one S3 DeleteObjects request.
+    deleting: Pace = field(default_factory=lambda: Pace(size=1_000, most=_WINDOW))
 
-def _sweep_orphans(
-    db: Database,
-    store: ObjectStore,
-    grace: dt.timedelta,
-    report: GcReport,
-    progress: Progress | None,
-) -> None:
-    cutoff = (utcnow() - grace).timestamp()
-    candidates: list[tuple[str, int]] = []
-    for info in store.list("cas/"):
-        digest = digest_from_key(info.key)
-        if digest is not None and info.mtime < cutoff:
-            candidates.append((digest, info.size))
-        if len(candidates) >= _BATCH:
-            _delete_orphans(db, store, candidates, report, progress)
-            candidates = []
-    if candidates:
-        _delete_orphans(db, store, candidates, report, progress)
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.seconds[phase] = time.perf_counter() - started
 
+    def held(self, pace: Pace, started: float, done: int) -> None:
+        """A batch of ``done`` items, begun at ``started``, has committed: size the next."""
+        seconds = time.perf_counter() - started
+        pace.took(seconds, done)
+        self.report.longest_batch_seconds = max(self.report.longest_batch_seconds, seconds)
 
-def _delete_orphans(
-    db: Database,
-    store: ObjectStore,
-    candidates: Sequence[tuple[str, int]],
-    report: GcReport,
-    progress: Progress | None,
-) -> None:
-    sizes = dict(candidates)
-    if report.dry_run:
-        orphans = garbage.unknown_digests(db, list(sizes))
-    else:
-        orphans = garbage.delete_orphans(
-            db, list(sizes), lambda digests: store.delete(blob_key(d) for d in digests)
-        )
-    report.orphans += len(orphans)
-    report.orphan_bytes += sum(sizes[d] for d in orphans)
-    if progress and not report.dry_run:
-        progress("orphans", len(candidates))
+    def windows(self) -> Iterator[garbage.Window]:
+        """The blob table's digests in windows of ``_WINDOW`` rows (each found when reached)."""
+        after = ""
+        while True:
+            self.renew()
+            end = garbage.window_after(self.db, after, _WINDOW)
+            yield after, end
+            if end is None:
+                return
+            after = end
+
+    def mark(self, cutoff: dt.datetime) -> None:
+        report = self.report
+        for window in self.windows():
+            found = garbage.unclaimed_in(
+                self.db, window, cutoff, release_corrupt=report.release_corrupt
+            )
+            if report.dry_run:
+                report.condemned += len(found)
+                report.condemned_bytes += sum(size for _, size in found)
+                continue
+            digests = [d for d, _ in found]
+            for batch in self.condemning.batches(digests):
+                started = time.perf_counter()
+                count, size = garbage.condemn(
+                    self.db, batch, cutoff, release_corrupt=report.release_corrupt
+                )
+                self.held(self.condemning, started, len(batch))
+                report.condemned += count
+                report.condemned_bytes += size
+
+    def sweep(self, cutoff: dt.datetime) -> None:
+        report = self.report
+        for window in self.windows():
+            found = garbage.sweepable_in(
+                self.db, window, cutoff, release_corrupt=report.release_corrupt
+            )
+            if report.dry_run:
+                report.swept += len(found)
+                report.swept_bytes += sum(size for _, size in found)
+                continue
+            digests = [d for d, _ in found]
+            for batch in self.deleting.batches(digests):
+                started = time.perf_counter()
+                count, size = garbage.sweep(
+                    self.db,
+                    batch,
+                    cutoff,
+                    release_corrupt=report.release_corrupt,
+                    delete_objects=self.delete_objects,
+                )
+                self.held(self.deleting, started, len(batch))
+                report.swept += count
+                report.swept_bytes += size
+                if self.progress:
+                    self.progress("sweep", count)
+
+    def delete_objects(self, digests: Sequence[str]) -> None:
+        self.store.delete([blob_key(d) for d in digests])
+
+    def sweep_orphans(self, cutoff: float) -> None:
+        candidates: dict[str, int] = {}
+        for info in self.store.list("cas/"):
+            digest = digest_from_key(info.key)
+            if digest is not None and info.mtime < cutoff:
+                candidates[digest] = info.size
+            if len(candidates) >= _WINDOW:
+                self.delete_orphans(candidates)
+                candidates = {}
+        if candidates:
+            self.delete_orphans(candidates)
+
+    def delete_orphans(self, sizes: dict[str, int]) -> None:
+        """Of these listed objects, delete those without a row (checked again under the lock
+        only where the unlocked read found some)."""
+        self.renew()
+        report = self.report
+        unknown = sorted(garbage.unknown_digests(self.db, list(sizes)))
+        if report.dry_run:
+            orphans: set[str] = set(unknown)
+        else:
+            orphans = set()
+            for batch in self.deleting.batches(unknown):
+                started = time.perf_counter()
+                orphans |= garbage.delete_orphans(self.db, batch, self.delete_objects)
+                self.held(self.deleting, started, len(batch))
+        report.orphans += len(orphans)
+        report.orphan_bytes += sum(sizes[d] for d in orphans)
+        if self.progress and not report.dry_run:
+            self.progress("orphans", len(sizes))

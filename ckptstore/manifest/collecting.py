@@ -1,6 +1,10 @@
 """Collecting garbage: the manifest's side of ``ckptstore gc`` (DESIGN.md §8), one named
 operation per step, each its own transaction.
 
+Each pass walks the blob table in windows of digests: a read without a lock finds the
+window's candidates, and a write transaction per batch of them checks each again under the GC
+lock and acts. So memory is bounded by a window, and commits wait at most one batch.
+
 maintenance/gc.py runs the passes and owns the store side; the statements are in
 :mod:`ckptstore.manifest._orm.collect`. A blob is protected while a committed, pending or
 corrupt checkpoint references it -- unless the caller releases corrupt checkpoints.
@@ -17,15 +21,22 @@ from ckptstore.manifest.db import Database
 
 __all__ = [
     "DeleteObjects",
+    "Window",
     "condemn",
     "delete_orphans",
     "kept_for_corrupt",
     "release_lease",
     "sweep",
-    "sweepable",
+    "sweepable_in",
     "take_lease",
+    "unclaimed_in",
     "unknown_digests",
+    "window_after",
 ]
+
+#: A range of blob digests ``(after, end]`` (``end`` None: to the last one): passes over the
+#: blob table read and lock one window at a time.
+Window = tuple[str, str | None]
 
 
 def take_lease(db: Database, holder: str, ttl: dt.timedelta) -> None:
@@ -44,22 +55,41 @@ def kept_for_corrupt(db: Database) -> tuple[int, int, int]:
         return collect.corrupt_only_totals(session)
 
 
+def window_after(db: Database, after: str, rows: int) -> str | None:
+    """The end of the window of the next ``rows`` blob rows after the digest ``after`` (a pass
+    over the table goes window by window: bounded memory and transactions); None if fewer
+    rows follow, and the window runs to the end."""
+    with db.read() as session:
+        return collect.window_end(session, after, rows)
+
+
+def unclaimed_in(
+    db: Database, window: Window, cutoff: dt.datetime, *, release_corrupt: bool
+) -> list[tuple[str, int]]:
+    """(digest, stored bytes) of the live, unprotected blobs in ``window`` nobody claimed
+    since ``cutoff``: what the mark would condemn (read without a lock)."""
+    with db.read() as session:
+        return collect.unclaimed_rows(session, *window, cutoff, release_corrupt=release_corrupt)
+
+
 def condemn(
-    db: Database, cutoff: dt.datetime, *, release_corrupt: bool, dry_run: bool
+    db: Database, digests: Sequence[str], cutoff: dt.datetime, *, release_corrupt: bool
 ) -> tuple[int, int]:
-    """Mark: condemn live, unprotected blobs nobody claimed since ``cutoff``; (count, bytes)."""
+    """Mark: condemn those of ``digests`` still unclaimed and unprotected, checked again under
+    the GC lock (held for this batch only); (count, bytes)."""
     return db.write(
-        lambda s: collect.condemn_unclaimed(
-            s, cutoff, release_corrupt=release_corrupt, dry_run=dry_run
-        ),
+        lambda s: collect.condemn_rows(s, digests, cutoff, release_corrupt=release_corrupt),
         what="GC mark",
     )
 
 
-def sweepable(db: Database, cutoff: dt.datetime, *, release_corrupt: bool) -> list[tuple[str, int]]:
-    """(digest, stored bytes) of blobs condemned before ``cutoff`` and still unprotected."""
+def sweepable_in(
+    db: Database, window: Window, cutoff: dt.datetime, *, release_corrupt: bool
+) -> list[tuple[str, int]]:
+    """(digest, stored bytes) of the blobs in ``window`` condemned before ``cutoff`` and still
+    unprotected (read without a lock)."""
     with db.read() as session:
-        return collect.sweepable_rows(session, cutoff, release_corrupt=release_corrupt)
+        return collect.sweepable_rows(session, *window, cutoff, release_corrupt=release_corrupt)
 
 
 def sweep(

@@ -17,14 +17,16 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from ckptstore.manifest._orm import blobs, checkpoints, runs
-from ckptstore.manifest._sql import lookups
+from ckptstore.manifest._sql import lookups, tables
+from ckptstore.manifest._sql.tables import to_record
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import BlobState, Status
 from ckptstore.manifest.records import BlobClaim, CheckpointInfo, ComponentInfo
 
 #: digests -> {digest: object size or None if absent}; called inside the commit transaction.
 CheckObjects = Callable[[Sequence[str]], Mapping[str, int | None]]
-#: The run's committed checkpoints (oldest first) -> ids retention deletes.
+#: The run's committed checkpoints (oldest first; records without their components) -> ids
+#: retention deletes.
 ChooseDoomed = Callable[[list[CheckpointInfo]], Iterable[int]]
 
 
@@ -58,9 +60,14 @@ def commit_checkpoint(
     def transaction(session: Session) -> None:
         runs.lock_run(session, run_id, epoch)
         runs.hold_gc_lock_shared(session)
-        existing = blobs.blob_rows(session, list(claims))
-        revived[:] = [d for d, row in existing.items() if row.state != BlobState.LIVE]
-        to_check = [d for d in claims if d not in existing or existing[d].state != BlobState.LIVE]
+        # No row locks: only GC's mark and sweep and marking corrupt take a blob row away from
+        # live (condemn, delete), and each holds the GC lock exclusive, which waits for ours;
+        # other commits only make rows live. So the rows read here stay as read, or become
+        # live, until this transaction ends -- one set-based lock instead of one per row.
+        existing = blobs.blob_rows(session, list(claims), lock=False)
+        live = BlobState.LIVE.value  # one enum lookup, not one per blob
+        revived[:] = [d for d, row in existing.items() if row.state != live]
+        to_check = [d for d in claims if d not in existing or existing[d].state != live]
         sizes = check_objects(to_check)
         final = dict(claims)
         for digest, size in sizes.items():
@@ -104,7 +111,13 @@ def apply_retention(db: Database, run_id: int, epoch: int, choose: ChooseDoomed)
     def transaction(session: Session) -> list[int]:
         run = runs.lock_run(session, run_id, epoch)
         committed = lookups.select_checkpoints_of(run_id, [Status.COMMITTED])
-        doomed = sorted(set(choose(lookups.fetch_with_components(session, committed, run.name))))
+        # Rows only: retention ranks by step, trigger and metrics, and reading every kept
+        # checkpoint's components would cost each save of R ranks R rows per kept checkpoint.
+        kept = [
+            to_record(CheckpointInfo, tables.checkpoints, row, run=run.name, components=())
+            for row in tables.fetch_rows(session, committed)
+        ]
+        doomed = sorted(set(choose(kept)))
         checkpoints.mark_deleted(session, doomed)
         return doomed
 

@@ -116,6 +116,8 @@ class ComponentRow(Base):
     """A row of ``components``."""
 
     __tablename__ = "components"
+    #: GC deletes blob rows; the foreign key from here is checked through this index.
+    __table_args__ = (Index("ix_components_index_digest", "index_digest"),)
 
     checkpoint_id: Mapped[int] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True

@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckptstore.errors import CheckpointNotFoundError
-from ckptstore.manifest._sql import lookups
+from ckptstore.manifest._sql import lookups, tables
+from ckptstore.manifest._sql.tables import to_record
 from ckptstore.manifest.db import Database
-from ckptstore.manifest.records import CheckpointInfo, RunInfo
+from ckptstore.manifest.records import CheckpointInfo, ComponentInfo, RunInfo
 from ckptstore.manifest.statuses import Status
 
 
@@ -83,6 +84,21 @@ def checkpoint(db: Database, checkpoint_id: int) -> CheckpointInfo | None:
     with db.connect() as conn:
         found = lookups.fetch_with_components(conn, lookups.select_checkpoint_by_id(checkpoint_id))
     return found[0] if found else None
+
+
+def committed(
+    db: Database, checkpoint_id: int, components: Sequence[ComponentInfo]
+) -> CheckpointInfo | None:
+    """The checkpoint a commit just recorded, with the ``components`` it recorded (not read
+    back: a commit of 16,384 ranks would read as many rows again), or None."""
+    with db.connect() as conn:
+        rows = tables.fetch_rows(conn, lookups.select_checkpoint_by_id(checkpoint_id))
+    if not rows:
+        return None
+    parts = tuple(sorted(components, key=lambda c: c.name))  # as the manifest lists them
+    return to_record(
+        CheckpointInfo, tables.checkpoints, rows[0], run=rows[0].run_name or "?", components=parts
+    )
 
 
 def targets(

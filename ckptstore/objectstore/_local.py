@@ -44,6 +44,10 @@ from ckptstore.objectstore.base import (
 )
 from ckptstore.objectstore.registry import StoreURL
 
+#: Deleting at least this many keys spreads them over ``_DELETE_THREADS`` threads.
+_DELETE_SPREAD = 256
+_DELETE_THREADS = 8
+
 
 class LocalStore(ObjectStore):
     """A directory on a local or network file system."""
@@ -214,14 +218,31 @@ class LocalStore(ObjectStore):
     @contextlib.contextmanager
     def open_reader(self, key: str) -> Iterator[ObjectReader]:
         """``key`` opened for reads at any offset (:class:`RandomAccess`). The kernel is told
-        the whole file will be read, so a cold read streams from the disk ahead of the reader."""
+        the file is read in order (a wider read-ahead); a load asks for whole files ahead of
+        its reads with :meth:`prefetch`, once each (asking again costs a walk of the page cache)."""
         with self._open(key) as f:
             fd = f.fileno()
             size = os.fstat(fd).st_size
             with contextlib.suppress(OSError):  # advice only: a file system may not take it
                 os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
-                os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
             yield _FileReader(self, fd, size, key)
+
+    def prefetch(self, key: str) -> int:
+        """Start reading ``key`` into the page cache in the background, so that a read soon
+        after finds its bytes there; its size in bytes. Advice only: 0, and no error, if it is
+        missing or the file system does not take the advice (the read itself then says why)."""
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except OSError:
+            return 0
+        try:
+            size = os.fstat(fd).st_size
+            os.posix_fadvise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            return 0
+        finally:
+            os.close(fd)
+        return size
 
     @contextlib.contextmanager
     def _open(self, key: str) -> Iterator[BinaryIO]:
@@ -263,16 +284,44 @@ class LocalStore(ObjectStore):
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     def sizes(self, keys: Sequence[str]) -> dict[str, int | None]:
-        """Each key's size, None where it does not exist: one ``stat`` each, in a loop (a
-        thread pool would cost more than the system calls)."""
-        return {key: self._size_or_none(key) for key in keys}
+        """Each key's size, None where it does not exist (or is no file): one ``stat`` each,
+        in a loop (a thread pool would cost more than the system calls), on a path joined as a
+        string (a commit of 1,024 ranks checks thousands: ``Path`` objects cost 4x the call)."""
+        root = os.fspath(self.root) + os.sep
+        found: dict[str, int | None] = {}
+        for key in keys:
+            try:
+                st = os.stat(root + check_key(key))
+            except (FileNotFoundError, NotADirectoryError):
+                found[key] = None
+                continue
+            except OSError as exc:
+                raise self._error("stat of", key, exc) from exc
+            found[key] = st.st_size if stat.S_ISREG(st.st_mode) else None
+        return found
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Delete ``keys`` (missing ones are fine), in batches."""
+        """Delete ``keys`` (missing ones are fine): one ``unlink`` each, on a path joined as
+        a string (building a ``Path`` per key cost as much as the system call). Many keys are
+        deleted on :data:`_DELETE_THREADS` threads, each a run of neighbouring keys (so mostly
+        other directories than its neighbours'): an unlink of a file that reached the disk
+        waits on the file system's journal, ~0.1 ms here, and several proceed at once (measured
+        on this VM's ext4: 8,000 unlinks/s on one thread, 22,000/s on eight)."""
+        listed = list(keys)
+        if len(listed) < _DELETE_SPREAD:
+            self._unlink(listed)
+            return
+        step = -(-len(listed) // _DELETE_THREADS)
+        runs = [listed[i : i + step] for i in range(0, len(listed), step)]
+        with ThreadPoolExecutor(len(runs), thread_name_prefix="ckpt-delete") as pool:
+            for done in [pool.submit(self._unlink, run) for run in runs]:
+                done.result()  # the first error, once every thread has finished
+
+    def _unlink(self, keys: Sequence[str]) -> None:
+        root = os.fspath(self.root) + os.sep
         for key in keys:
-            path = self._path(key)
             try:
-                path.unlink()
+                os.unlink(root + check_key(key))
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
                 continue  # not an object: nothing to delete
             except OSError as exc:

@@ -77,6 +77,8 @@ MiB = 1 << 20
 #: two more object-sized temporaries, at twice the client CPU per GiB of these cache-sized
 #: steps (measured on SeaweedFS: 0.88 vs 0.42 CPU-s/GiB for 16 MiB objects).
 _READ_STEP = 1 * MiB
+#: Keys one DeleteObjects request may name (an S3 limit).
+_DELETE_BATCH = 1000
 
 
 class S3Store(MultipartUploads, ObjectStore):
@@ -361,11 +363,14 @@ class S3Store(MultipartUploads, ObjectStore):
         )
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Delete ``keys`` (missing ones are fine), in batches."""
+        """Delete ``keys`` (missing ones are fine): one DeleteObjects request per 1,000 keys
+        (the S3 limit), one after the other. Sending them concurrently was slower on SeaweedFS
+        here (770 against 1,560 keys/s on 2 cores: the server does the work), and a GC batch
+        holds the GC lock while it waits, so its size, not concurrency, bounds the wait."""
         batch: list[str] = []
         for key in keys:
             batch.append(key)
-            if len(batch) == 1000:  # the S3 DeleteObjects limit
+            if len(batch) == _DELETE_BATCH:
                 self._delete_batch(batch)
                 batch = []
         if batch:

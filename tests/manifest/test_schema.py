@@ -50,7 +50,7 @@ from ckptstore.manifest.db import (
 from ckptstore.manifest.models import Base
 
 #: Every migration, oldest first. A new migration is appended here (and the snapshots rewritten).
-REVISIONS = ("0001", "0002", "0003", "0004")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005")
 HEAD = REVISIONS[-1]
 PREVIOUS_HEAD = REVISIONS[-2]
 FIRST = REVISIONS[0]

@@ -7,13 +7,24 @@ import datetime as dt
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
-from sqlalchemy import Table, func, insert, select, update
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Integer,
+    String,
+    Table,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from ckptstore.manifest._sql.lookups import select_newest_committed_id
-from ckptstore.manifest._sql.tables import BATCH
+from ckptstore.manifest._sql.sets import among, select_rows
 from ckptstore.manifest.models import (
     BlobRow,
     BlobState,
@@ -37,17 +48,19 @@ class BlobFacts(NamedTuple):
 def blob_rows(
     session: Session, digests: Sequence[str], *, lock: bool = True
 ) -> dict[str, BlobFacts]:
-    """Rows of ``digests``, whatever their state (locked for update on PostgreSQL unless ``lock``
-    is False), in batches of ``BATCH`` per statement."""
-    found: dict[str, BlobFacts] = {}
+    """Rows of ``digests``, whatever their state, in one statement (each row locked for update
+    on PostgreSQL unless ``lock`` is False)."""
     columns = (BlobRow.digest, BlobRow.state, BlobRow.logical_bytes, BlobRow.stored_bytes)
-    for i in range(0, len(digests), BATCH):
-        query = select(*columns).where(BlobRow.digest.in_(digests[i : i + BATCH]))
-        for digest, state, logical, stored in session.execute(
-            query.with_for_update() if lock else query
-        ):
-            found[digest] = BlobFacts(state, logical, stored)
-    return found
+    if not digests:
+        return {}
+    query = select(*columns).where(among(BlobRow.digest, digests, dialect_of(session)))
+    rows = session.execute(query.with_for_update() if lock else query)
+    return {digest: BlobFacts(state, logical, stored) for digest, state, logical, stored in rows}
+
+
+def dialect_of(session: Session) -> str:
+    """The name of the session's database dialect (``sqlite``, ``postgresql``)."""
+    return session.get_bind().dialect.name
 
 
 def condemn_blob_row(session: Session, digest: str) -> None:
@@ -62,10 +75,10 @@ def condemn_blob_row(session: Session, digest: str) -> None:
 def revive_blob_rows(session: Session, digests: Sequence[str]) -> dt.datetime:
     """Blob rows whose objects verified again are live (and freshly claimed); returns now."""
     now = utcnow()
-    for i in range(0, len(digests), BATCH):
+    if digests:
         session.execute(
             update(BlobRow)
-            .where(BlobRow.digest.in_(digests[i : i + BATCH]))
+            .where(among(BlobRow.digest, digests, dialect_of(session)))
             .values(state=BlobState.LIVE, condemned_at=None, last_claimed_at=now)
             .execution_options(synchronize_session=False)
         )
@@ -76,46 +89,54 @@ def record_blobs(
     session: Session,
     checkpoint_id: int,
     claims: Iterable[BlobClaim],
-    existing: Mapping[str, BlobFacts] | None = None,
+    existing: Mapping[str, BlobFacts],
 ) -> None:
-    """Insert rows for new blobs, claim existing ones, and reference them all: a few set-based
-    statements whatever the number of blobs (``existing``: their rows, if the caller has just
-    read them under lock)."""
+    """Insert rows for new blobs, claim existing ones, and reference them all: three statements
+    whatever the number of blobs, each binding its whole set as one parameter
+    (:mod:`ckptstore.manifest._sql.sets`). ``existing``: the rows of ``claims`` the caller has
+    read in this transaction, holding the GC lock (so none is condemned or deleted since)."""
     now = utcnow()
+    dialect = dialect_of(session)
     unique = {c.digest: c for c in claims}
-    if existing is None:
-        existing = blob_rows(session, list(unique))
-    new_rows = [
-        {
-            "digest": c.digest,
-            "kind": c.kind,
-            "logical_bytes": c.logical_bytes,
-            "stored_bytes": c.stored_bytes,
-            "codec": c.codec,
-            "created_at": now,
-            "last_claimed_at": now,
-            "state": BlobState.LIVE,
-        }
-        for c in unique.values()
-        if c.digest not in existing
-    ]
-    if new_rows:
+    new = [c for c in unique.values() if c.digest not in existing]
+    if new:
         # Another transaction may insert the same new blob concurrently (two runs saving
         # the same weights): its row wins -- live and claimed just now, and GC cannot run
         # before we commit (the commit holds the GC lock shared) -- and is referenced below.
-        session.execute(insert_ignoring_duplicates(session, BlobRow), new_rows)
+        rows = select_rows(
+            {
+                "digest": (String, [c.digest for c in new]),
+                "kind": (String, [c.kind for c in new]),
+                "logical_bytes": (BigInteger, [c.logical_bytes for c in new]),
+                "stored_bytes": (BigInteger, [c.stored_bytes for c in new]),
+                "codec": (String, [c.codec for c in new]),
+            },
+            dialect,
+        )
+        stamped = rows.add_columns(
+            literal(now, DateTime(timezone=True)).label("created_at"),
+            literal(now, DateTime(timezone=True)).label("last_claimed_at"),
+            literal(BlobState.LIVE.value, String).label("state"),
+        )
+        session.execute(
+            insert_ignoring_duplicates(session, BlobRow).from_select(
+                [c.name for c in stamped.selected_columns], stamped
+            )
+        )
     claimed = [d for d in unique if d in existing]
-    for i in range(0, len(claimed), BATCH):
+    if claimed:
+        # GC's grace counts from last_claimed_at: every reused row is claimed again.
         session.execute(
             update(BlobRow)
-            .where(BlobRow.digest.in_(claimed[i : i + BATCH]))
+            .where(among(BlobRow.digest, claimed, dialect))
             .values(last_claimed_at=now, state=BlobState.LIVE)
             .execution_options(synchronize_session=False)
         )
     if unique:
+        refs = select_rows({"digest": (String, list(unique))}, dialect)
+        refs = refs.add_columns(literal(checkpoint_id, Integer).label("checkpoint_id"))
         session.execute(
-            insert(_core(CheckpointBlobRow)),
-            [{"checkpoint_id": checkpoint_id, "digest": d} for d in unique],
+            insert(_core(CheckpointBlobRow)).from_select(["digest", "checkpoint_id"], refs)
         )
 
 
@@ -136,15 +157,28 @@ def insert_ignoring_duplicates(session: Session, table: type[Any]) -> Any:
 
 
 def record_components(
-    session: Session, checkpoint_id: int, components: Iterable[ComponentInfo]
+    session: Session, checkpoint_id: int, components: Sequence[ComponentInfo]
 ) -> None:
-    """Insert a checkpoint's component rows."""
-    fields = [f.name for f in dataclasses.fields(ComponentInfo)]  # flat: no asdict recursion
-    rows = [
-        {"checkpoint_id": checkpoint_id, **{f: getattr(c, f) for f in fields}} for c in components
-    ]
-    if rows:
-        session.execute(insert(_core(ComponentRow)), rows)
+    """Insert a checkpoint's component rows, in one statement."""
+    if not components:
+        return
+    kinds = {
+        "name": String,
+        "kind": String,
+        "index_digest": String,
+        "logical_bytes": BigInteger,
+        "stored_bytes": BigInteger,
+        "entries": BigInteger,
+    }
+    assert set(kinds) == {f.name for f in dataclasses.fields(ComponentInfo)}
+    rows = select_rows(
+        {name: (kind, [getattr(c, name) for c in components]) for name, kind in kinds.items()},
+        dialect_of(session),
+    )
+    rows = rows.add_columns(literal(checkpoint_id, Integer).label("checkpoint_id"))
+    session.execute(
+        insert(_core(ComponentRow)).from_select([c.name for c in rows.selected_columns], rows)
+    )
 
 
 def reusable_live_digests(session: Session, run_id: int) -> set[str]:

@@ -16,8 +16,9 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.selectable import Exists
 
 from ckptstore.errors import GcBusyError
-from ckptstore.manifest._orm.blobs import insert_ignoring_duplicates
+from ckptstore.manifest._orm.blobs import dialect_of, insert_ignoring_duplicates
 from ckptstore.manifest._orm.runs import as_utc, hold_gc_lock_exclusive
+from ckptstore.manifest._sql.sets import among
 from ckptstore.manifest.models import (
     BlobRow,
     BlobState,
@@ -35,12 +36,21 @@ DeleteObjects = Callable[[Sequence[str]], None]
 
 
 def _protected(statuses: Sequence[str]) -> Exists:
-    """SQL: the blob is referenced by a checkpoint in one of ``statuses``."""
+    """SQL: the blob is referenced by a checkpoint in one of ``statuses``.
+
+    The status is a scalar subquery, not a join: the planner then has to find the blob's
+    references through their digest index and look each checkpoint up by its key -- work in
+    proportion to the blob's references. Written as a join, PostgreSQL without fresh table
+    statistics (a new or bulk-loaded manifest) scanned every checkpoint for every blob instead."""
+    status = (
+        select(CheckpointRow.status)
+        .where(CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+        .scalar_subquery()
+    )
     return exists(
         select(1)
         .select_from(CheckpointBlobRow)
-        .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
-        .where(CheckpointBlobRow.digest == BlobRow.digest, CheckpointRow.status.in_(list(statuses)))
+        .where(CheckpointBlobRow.digest == BlobRow.digest, status.in_(list(statuses)))
     )
 
 
@@ -76,60 +86,153 @@ def delete_lease(session: Session, holder: str) -> None:
 
 def corrupt_only_totals(session: Session) -> tuple[int, int, int]:
     """(blobs, stored bytes) that only corrupt checkpoints hold, and how many are corrupt."""
-    only_corrupt = and_(_protected([Status.CORRUPT]), ~_protected(_KEEPING))
-    count, size = session.execute(
-        select(func.count(), func.coalesce(func.sum(BlobRow.stored_bytes), 0)).where(only_corrupt)
-    ).one()
     corrupt = session.scalar(
         select(func.count())
         .select_from(CheckpointRow)
         .where(CheckpointRow.status == Status.CORRUPT)
     )
-    return int(count), int(size), int(corrupt or 0)
-
-
-def condemn_unclaimed(
-    session: Session, cutoff: dt.datetime, *, release_corrupt: bool, dry_run: bool
-) -> tuple[int, int]:
-    """Condemn live, unprotected blobs nobody claimed since ``cutoff``; (count, bytes)."""
-    condition = and_(
-        BlobRow.state == BlobState.LIVE,
-        BlobRow.last_claimed_at < cutoff,
-        ~_protection(release_corrupt),
+    if not corrupt:  # the usual case: no need to look at any blob
+        return 0, 0, 0
+    # From the corrupt checkpoints' references, not from every blob row.
+    held = (
+        select(CheckpointBlobRow.digest)
+        .join(CheckpointRow, CheckpointRow.id == CheckpointBlobRow.checkpoint_id)
+        .where(CheckpointRow.status == Status.CORRUPT)
     )
-    # Exclusive against commits (they hold it shared): a commit claiming a blob is either
-    # fully visible to this mark or starts after it (and then revives what it condemned).
-    hold_gc_lock_exclusive(session)
     count, size = session.execute(
-        select(func.count(), func.coalesce(func.sum(BlobRow.stored_bytes), 0)).where(condition)
-    ).one()
-    if not dry_run:
-        session.execute(
-            update(BlobRow)
-            .where(condition)
-            .values(state=BlobState.CONDEMNED, condemned_at=utcnow())
-            .execution_options(synchronize_session=False)
+        select(func.count(), func.coalesce(func.sum(BlobRow.stored_bytes), 0)).where(
+            BlobRow.digest.in_(held), ~_protected(_KEEPING)
         )
-    return int(count), int(size)
+    ).one()
+    return int(count), int(size), int(corrupt)
 
 
-def _sweepable(cutoff: dt.datetime, release_corrupt: bool) -> ColumnElement[bool]:
-    return and_(
-        BlobRow.state == BlobState.CONDEMNED,
-        BlobRow.condemned_at < cutoff,
-        BlobRow.last_claimed_at < cutoff,
-        ~_protection(release_corrupt),
+def window_end(session: Session, after: str, rows: int) -> str | None:
+    """The digest ``rows`` blob rows after ``after`` in digest order (the end of the next window
+    of a pass over the table), or None if fewer rows follow: an index-only walk of ``rows``
+    keys, whatever the table's size."""
+    return session.scalar(
+        select(BlobRow.digest)
+        .where(BlobRow.digest > after)
+        .order_by(BlobRow.digest)
+        .offset(rows - 1)
+        .limit(1)
     )
+
+
+def _within(after: str, end: str | None) -> ColumnElement[bool]:
+    """SQL: the blob's digest is in the window ``(after, end]`` (``end`` None: no upper end)."""
+    if end is None:
+        return BlobRow.digest > after
+    return and_(BlobRow.digest > after, BlobRow.digest <= end)
+
+
+#: A blob row as the passes read it: (digest, state, last claimed, condemned at, stored bytes).
+_Facts = tuple[str, str, dt.datetime, dt.datetime | None, int]
+
+
+def _facts(session: Session, where: ColumnElement[bool], state: BlobState) -> list[_Facts]:
+    """The rows in ``state`` that ``where`` selects by their digests (a window's range, a
+    batch's list).
+
+    The state is compared as an expression (``state || ''``), which no index holds: given the
+    column itself, a planner may walk the (state, last_claimed_at) index over every row of the
+    table instead of the few keys asked for (SQLite did, for each window and for each batch
+    under the GC lock: a mark over 10^6 rows took minutes). So the statement walks the keys
+    asked for and returns only rows in ``state`` -- for the sweep, usually none of a window's
+    10^4. The times are compared here, in UTC, whatever the database stored."""
+    rows = session.execute(
+        select(
+            BlobRow.digest,
+            BlobRow.state,
+            BlobRow.last_claimed_at,
+            BlobRow.condemned_at,
+            BlobRow.stored_bytes,
+        ).where(where, (BlobRow.state + "") == state.value)
+    )
+    return [
+        (d, state, claimed, condemned, int(size)) for d, state, claimed, condemned, size in rows
+    ]
+
+
+def _unclaimed(rows: list[_Facts], cutoff: dt.datetime) -> list[tuple[str, int]]:
+    """(digest, size) of the live rows nobody claimed since ``cutoff``."""
+    return [
+        (digest, size)
+        for digest, state, claimed, _, size in rows
+        if state == BlobState.LIVE and as_utc(claimed) < cutoff
+    ]
+
+
+def _condemned_before(rows: list[_Facts], cutoff: dt.datetime) -> list[tuple[str, int]]:
+    """(digest, size) of the rows condemned, and claimed last, before ``cutoff``."""
+    return [
+        (digest, size)
+        for digest, state, claimed, condemned, size in rows
+        if state == BlobState.CONDEMNED
+        and condemned is not None
+        and as_utc(condemned) < cutoff
+        and as_utc(claimed) < cutoff
+    ]
+
+
+def _unprotected(
+    session: Session, found: list[tuple[str, int]], release_corrupt: bool
+) -> list[tuple[str, int]]:
+    """Those of ``found`` that no checkpoint protects (looked up by key, one statement)."""
+    if not found:
+        return []
+    free = set(
+        session.scalars(
+            select(BlobRow.digest).where(
+                among(BlobRow.digest, [d for d, _ in found], dialect_of(session)),
+                ~_protection(release_corrupt),
+            )
+        )
+    )
+    return [(digest, size) for digest, size in found if digest in free]
+
+
+def unclaimed_rows(
+    session: Session, after: str, end: str | None, cutoff: dt.datetime, *, release_corrupt: bool
+) -> list[tuple[str, int]]:
+    """(digest, stored bytes) of the blobs in the window ``(after, end]`` the mark would
+    condemn: live, unprotected, unclaimed since ``cutoff``. Read without a lock:
+    :func:`condemn_rows` checks them again under it."""
+    rows = _facts(session, _within(after, end), BlobState.LIVE)
+    return _unprotected(session, _unclaimed(rows, cutoff), release_corrupt)
 
 
 def sweepable_rows(
-    session: Session, cutoff: dt.datetime, *, release_corrupt: bool
+    session: Session, after: str, end: str | None, cutoff: dt.datetime, *, release_corrupt: bool
 ) -> list[tuple[str, int]]:
-    """(digest, stored bytes) of blobs condemned before ``cutoff`` and still unprotected."""
-    rows = session.execute(
-        select(BlobRow.digest, BlobRow.stored_bytes).where(_sweepable(cutoff, release_corrupt))
-    )
-    return [(digest, int(size)) for digest, size in rows]
+    """(digest, stored bytes) of the blobs in the window ``(after, end]`` condemned before
+    ``cutoff`` and still unprotected. Read without a lock: :func:`delete_swept` checks them
+    again under it."""
+    rows = _facts(session, _within(after, end), BlobState.CONDEMNED)
+    return _unprotected(session, _condemned_before(rows, cutoff), release_corrupt)
+
+
+def condemn_rows(
+    session: Session, digests: Sequence[str], cutoff: dt.datetime, *, release_corrupt: bool
+) -> tuple[int, int]:
+    """Mark: condemn those of ``digests`` that are still live, unprotected and unclaimed since
+    ``cutoff``, checked under the GC lock; (count, bytes)."""
+    # Exclusive against commits (they hold it shared): a commit claiming one of these blobs is
+    # either fully visible to the checks below or starts after them (and then revives what
+    # this condemned). The lock is held for this batch only, never for the scan that found it.
+    hold_gc_lock_exclusive(session)
+    dialect = dialect_of(session)
+    rows = _facts(session, among(BlobRow.digest, digests, dialect), BlobState.LIVE)
+    doomed = _unprotected(session, _unclaimed(rows, cutoff), release_corrupt)
+    if doomed:
+        session.execute(
+            update(BlobRow)
+            .where(among(BlobRow.digest, [d for d, _ in doomed], dialect))
+            .values(state=BlobState.CONDEMNED, condemned_at=utcnow())
+            .execution_options(synchronize_session=False)
+        )
+    return len(doomed), sum(size for _, size in doomed)
 
 
 def delete_swept(
@@ -140,30 +243,37 @@ def delete_swept(
     release_corrupt: bool,
     delete_objects: DeleteObjects,
 ) -> tuple[int, int]:
-    """Re-check ``batch`` under the GC lock, delete the rows, then the objects; (count, bytes)."""
+    """Re-check ``batch`` under the GC lock, delete the rows, then the objects; (count, bytes).
+
+    The objects go while the lock is held: a commit that found no row would otherwise check
+    the object, find it, record a new row, and reference an object deleted a moment later."""
     hold_gc_lock_exclusive(session)
-    rows = list(
-        session.execute(
-            select(BlobRow.digest, BlobRow.stored_bytes)
-            .where(BlobRow.digest.in_(list(batch)), _sweepable(cutoff, release_corrupt))
-            .with_for_update()
-        )
-    )
-    digests = [d for d, _ in rows]
+    dialect = dialect_of(session)
+    rows = _facts(session, among(BlobRow.digest, batch, dialect), BlobState.CONDEMNED)
+    doomed = _unprotected(session, _condemned_before(rows, cutoff), release_corrupt)
+    digests = [d for d, _ in doomed]
     if not digests:
         return 0, 0
     # Rows of failed, deleted (or released corrupt) checkpoints still point at these blobs.
-    session.execute(delete(CheckpointBlobRow).where(CheckpointBlobRow.digest.in_(digests)))
-    session.execute(delete(ComponentRow).where(ComponentRow.index_digest.in_(digests)))
-    session.execute(delete(BlobRow).where(BlobRow.digest.in_(digests)))
+    session.execute(
+        delete(CheckpointBlobRow).where(among(CheckpointBlobRow.digest, digests, dialect))
+    )
+    session.execute(delete(ComponentRow).where(among(ComponentRow.index_digest, digests, dialect)))
+    session.execute(delete(BlobRow).where(among(BlobRow.digest, digests, dialect)))
     session.flush()
     delete_objects(digests)
-    return len(digests), sum(size for _, size in rows)
+    return len(digests), sum(size for _, size in doomed)
 
 
 def known_digests(session: Session, digests: Sequence[str]) -> set[str]:
     """The digests of ``digests`` that have a blob row."""
-    return set(session.scalars(select(BlobRow.digest).where(BlobRow.digest.in_(list(digests)))))
+    if not digests:
+        return set()
+    return set(
+        session.scalars(
+            select(BlobRow.digest).where(among(BlobRow.digest, digests, dialect_of(session)))
+        )
+    )
 
 
 def delete_orphan_objects(
