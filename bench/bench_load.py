@@ -19,9 +19,18 @@ timed call; the files were fsynced, so the pages are clean and really go).
 - ``ckptstore Run.load(into=)``: the same load into a state dict of empty tensors of the right
   shapes, as ``dcp.load`` gets (issue 26: filled in place, no second copy).
 
+And, as information, the same load into tensors whose every page is resident already (those a
+previous load filled, as a model's state dict is), page cache hot: the loads above also pay
+the kernel's first touch (a fault and a zeroed page) of every destination page.
+
 Goals (issue 13): hot <= 1.0x the faster mmap loader, evicted <= 1.0x dcp.load; (issue 26) the
 load into existing tensors evicted <= 1.0x dcp.load and <= 1.2x the read+hash floor, hot <=
 1.25x the BLAKE3 floor.
+
+Beside the loads, the **peak resident memory of a load into existing tensors**: the tensors
+a previous load filled (resident already) loaded into again, files evicted, the process's
+peak resident set (``VmHWM``, reset first) above what it held before; goal (issue 26) <= +256
+MiB. A load that allocates a second copy of the state grows it by the state's size.
 
 A second floor, of an evicted verified load: **reading every blob file of ckptstore's store and
 BLAKE3-hashing every byte**, on as many threads as there are CPUs, files evicted first.
@@ -38,6 +47,7 @@ Run: ``.venv/bin/python bench/bench_load.py [--weights-gib 1] [--reps 3] [--json
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -75,6 +85,9 @@ ST_MMAP = "safetensors load_file + read all"
 MMAP_LOADERS = (TORCH_MMAP, ST_MMAP)
 FLOOR = "BLAKE3 of every byte in memory"
 READ_FLOOR = "read + BLAKE3 of every blob file"
+RESIDENT = "Run.load(into=) resident tensors"
+#: Issue 26: a load into existing tensors grows the process's resident memory by this at most.
+PEAK_GOAL_MIB = 256
 
 
 def read_every_byte(state: dict[str, dict[str, torch.Tensor]]) -> None:
@@ -119,6 +132,31 @@ def read_and_hash(root: Path) -> None:
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(one, files_of(root)))
+
+
+def resident_kib(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, in KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    raise SystemExit(f"/proc/self/status has no {field}: the memory row needs Linux")
+
+
+def load_peak_mib(load: Callable[[], Any]) -> float:
+    """The peak resident memory of ``load()`` above what the process held before, in MiB."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak (VmHWM) starts again from what is resident now
+    except OSError as exc:
+        raise SystemExit(
+            f"cannot reset the peak resident memory ({exc}): the memory row "
+            "needs a Linux kernel that takes /proc/self/clear_refs"
+        ) from exc
+    before = resident_kib("VmRSS")
+    load()
+    return (resident_kib("VmHWM") - before) / 1024
 
 
 def empty_like(state: State) -> State:
@@ -194,6 +232,15 @@ class Contenders:
 
         return st_mmap
 
+    def into_resident(self, hot: Row) -> float:
+        """Loads into tensors that exist, every page of them resident (those a previous load
+        filled): one timed into ``hot`` (files cached), then one with the files evicted, whose
+        peak resident memory (MiB above before) is returned."""
+        filled = self.load(INTO)()
+        timed("warm", hot, lambda: self.run.load(into=filled))
+        evict(self.dirs[INTO])
+        return load_peak_mib(lambda: self.run.load(into=filled))
+
     def close(self) -> None:
         self.run.close()
 
@@ -219,16 +266,19 @@ def main() -> None:
     rows = {(cache, n): Row(f"load {cache}", n) for cache in ("hot", "evicted") for n in names}
     floor = Row("floor", FLOOR)
     read_floor = Row("floor evicted", READ_FLOOR)
+    resident = Row("load hot", RESIDENT)
     everything = [t for part in state.values() for t in part.values()]
     contenders = Contenders(state, where)
     try:
         for name in names:  # untimed first call each: imports, first-use set-up
             contenders.load(name)()
-        loaded = contenders.load(OURS)()
-        for part in state:
-            if (difference := first_difference(state[part], loaded[part])) is not None:
-                raise SystemExit(f"ckptstore's load of {part!r} differs: {difference}")
-        del loaded
+        for name in (OURS, INTO):
+            loaded = contenders.load(name)()
+            for part in state:
+                if (difference := first_difference(state[part], loaded[part])) is not None:
+                    raise SystemExit(f"{name} of {part!r} differs: {difference}")
+            del loaded
+        peaks: list[float] = []
         for rep in range(args.reps):
             for cache in ("hot", "evicted"):
                 for name in rotated(names, rep):
@@ -241,6 +291,7 @@ def main() -> None:
             timed("warm", floor, lambda: hash_tensors(everything))
             evict(contenders.dirs[OURS])
             timed("warm", read_floor, lambda: read_and_hash(contenders.dirs[OURS]))
+            peaks.append(contenders.into_resident(resident))
     finally:
         contenders.close()
         shutil.rmtree(where, ignore_errors=True)
@@ -248,7 +299,7 @@ def main() -> None:
     print()
     header = f"{'op':<13} {'contender':<36} {'median s':>8} {'GB/s':>6} {'CPU-s':>6}"
     print(f"{header} {'other%':>6}  runs")
-    for row in [*rows.values(), floor, read_floor]:
+    for row in [*rows.values(), resident, floor, read_floor]:
         runs = " ".join(f"{t:.3f}" for t in row.times)
         other = f"{100 * max(row.foreign):5.0f}%" if row.foreign else "   n/a"
         cpu = sorted(row.cpu)[len(row.cpu) // 2]
@@ -323,6 +374,36 @@ def main() -> None:
     )
     floor_work = f"floor: BLAKE3 of every byte in memory, {os.cpu_count()} threads"
     out.insert(1, info_row(floor_work, floor.median, hot_peer, theirs))
+    print(
+        f"load into resident tensors, page cache hot: {resident.median:.3f} s = "
+        f"{resident.median / floor.median:.2f}x the BLAKE3 floor (information: the tensors "
+        "above are untouched, so those loads also pay the first touch of every page)"
+    )
+    out.append(
+        info_row(
+            f"load into resident tensors, page cache hot ({size / GiB:.2f} GiB)",
+            resident.median,
+            FLOOR,
+            floor.median,
+        )
+    )
+    peak = sorted(peaks)[len(peaks) // 2]
+    print(
+        f"peak resident memory of a load into existing tensors, files evicted: +{peak:.0f} MiB "
+        f"(goal <= +{PEAK_GOAL_MIB} MiB; runs {' '.join(f'{p:.0f}' for p in peaks)})"
+    )
+    out.append(
+        {
+            "work": f"peak resident memory of a load into existing tensors ({size / GiB:.2f} GiB)",
+            "ours": peak,
+            "peer": f"+{PEAK_GOAL_MIB} MiB",
+            "peer_value": PEAK_GOAL_MIB,
+            "unit": "MiB",
+            "ratio": peak / PEAK_GOAL_MIB,
+            "goal": f"<= +{PEAK_GOAL_MIB} MiB",
+            "met": peak <= PEAK_GOAL_MIB,
+        }
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

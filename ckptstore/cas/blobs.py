@@ -337,7 +337,9 @@ def read_into(
         fills, copies = plan
         views = {i: destination(i) for i, (_, length) in enumerate(targets) if length}
         hasher = StreamingDigest()
-        scratch = memoryview(bytearray(min(READ_PIECE, header.raw_len)))
+        # Only bytes no target wants pass through the scratch piece: most blobs have none.
+        unwanted = max((length for _, length, target in fills if target is None), default=0)
+        scratch = memoryview(bytearray(min(READ_PIECE, unwanted)))
         for offset, length, target in fills:
             for start in range(0, length, READ_PIECE):
                 n = min(READ_PIECE, length - start)

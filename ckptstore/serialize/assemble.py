@@ -3,14 +3,16 @@
 Only the blobs the requested entries reference are fetched; each is verified against its
 digest on the way in, on a thread pool. From a store that reads in pieces (a local directory),
 a raw blob is read straight into the buffers of the entries it holds and hashed piece by piece
-as it arrives: one pass, no intermediate copy. Otherwise blobs are fetched whole and copied
-into their destinations as they arrive, so at most ``max_workers`` decoded blobs are held
-besides the results; a tensor that is exactly one raw blob then becomes a view of the fetched
-buffer (no copy).
+as it arrives: one pass, no intermediate copy; meanwhile the store reads the next blobs ahead
+of the workers (:mod:`ckptstore.serialize.readahead`), so the disk never waits on a hash.
+Otherwise blobs are fetched whole and copied into their destinations as they arrive, so at
+most ``max_workers`` decoded blobs are held besides the results; a tensor that is exactly one
+raw blob then becomes a view of the fetched buffer (no copy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 from collections.abc import Iterable, Mapping
@@ -22,11 +24,13 @@ import numpy as np
 import torch
 
 from ckptstore.cas.blobs import get_blob, read_into
+from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import Kind
 from ckptstore.errors import ConfigError, IntegrityError, UnreadableError
 from ckptstore.objectstore.base import ObjectStore, uninitialized
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry
+from ckptstore.serialize.readahead import Prefetching, ReadAhead
 
 
 def max_blob_len(targets: Iterable[tuple[str, int, int]]) -> int:
@@ -236,9 +240,20 @@ def load_entries(
         if header.kind is Kind.INDEX:
             raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
 
+    def take(digest: str, key: str) -> None:
+        if ahead is not None:
+            ahead.taken(key)
+        fetch(digest)
+
     workers = max_workers or store.read_concurrency
-    with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool:
-        for future in [pool.submit(fetch, d) for d in by_blob]:
+    keys = {digest: blob_key(digest) for digest in by_blob}
+    # The store reads the next blobs while the workers verify theirs (see readahead).
+    ahead = ReadAhead(store, list(keys.values())) if isinstance(store, Prefetching) else None
+    with (
+        ahead or contextlib.nullcontext(),
+        ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool,
+    ):
+        for future in [pool.submit(take, d, k) for d, k in keys.items()]:
             future.result()
     return {
         i: _result(assembler, n, entry, where)
