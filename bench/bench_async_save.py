@@ -10,15 +10,23 @@ local directory (LocalStore, fsync per object) and on a local SeaweedFS S3 serve
      any snapshot must pay;
    - ``ShardWriter.save``: a worker's asynchronous save (snapshot, then return);
    - ``Run.save`` of a run opened with ``async_save=True`` (snapshot, then return; a SQLite
-     manifest): the default, whose snapshot memory goes back to the kernel (``MADV_FREE``)
-     after each save, and ``keep_snapshot_buffers=True``, which keeps it resident.
+     manifest): the default, whose snapshot buffers stay resident between saves, and
+     ``keep_snapshot_buffers=False``, whose buffers' memory goes back to the kernel
+     (``MADV_FREE``) after each save.
    Each save is waited for (untimed) before the next timed call, so uploads never overlap a
    measurement. The first save of each contender allocates its reusable buffers and is not
-   timed. The ratio blocked/memcpy has a goal of at most 1.5x. For both ``Run.save`` modes the
-   process's *held* memory (``/proc/self/smaps_rollup``: Rss minus LazyFree, i.e. what the
-   kernel cannot take back at will) is sampled every millisecond: its peak during the save and
-   its level once the save is committed, above the level before the call (goal: at most the
-   state's size S + 512 MiB; issue 13 measured 2 S held for the life of a run).
+   timed. The ratio blocked/memcpy has a goal of at most 1.5x. Beside each time, the CPU-seconds
+   the process used during the call (all threads: on a busy machine a steadier comparison than
+   the wall time) and the page faults it took (medians): a snapshot that writes into buffers the
+   kernel took back (``MADV_FREE``'d pages are the first it takes once the page cache has
+   filled memory -- here the SeaweedFS server's files, and the 1.25 GiB that ``prepare``
+   allocates before every call) faults in and zeroes the state's size of fresh pages, 2-3x the
+   time of the copy. For both ``Run.save`` modes the process's *held* memory
+   (``/proc/self/smaps_rollup``: Rss minus LazyFree, i.e. what the kernel cannot take back at
+   will) is sampled every millisecond, on a fresh run of its own: its peak during a save and
+   its level once the save is committed, above the level before the run's first save of the
+   state -- what the run holds, its kept buffers included (goal: at most the state's size
+   S + 512 MiB; issue 13 measured 2 S held for the life of a run).
 2. **Train step** (a fixed number of fixed-size fp32 matmuls), timed alone and while a
    ``ShardWriter.save`` of the state is uploading in the background; the two alternate
    (alone first, then in-flight first) in every repetition. The upload's own time is reported
@@ -37,6 +45,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import shutil
 import statistics
 import sys
@@ -67,7 +76,12 @@ GOAL = 1.5
 MEMORY_SLACK = 512 * MiB
 MEMCPY = "memcpy into reused buffers"
 RUN_SAVE = "Run.save (async_save=True)"
-RUN_SAVE_KEEP = "Run.save (keep_snapshot_buffers)"
+RUN_SAVE_GIVE_BACK = "Run.save (buffers given back)"
+#: open_run options of each Run.save contender.
+RUN_MODES: dict[str, dict[str, Any]] = {
+    RUN_SAVE: {},
+    RUN_SAVE_GIVE_BACK: {"keep_snapshot_buffers": False},
+}
 
 
 @dataclass
@@ -87,6 +101,10 @@ class TargetResult:
 
     name: str
     blocked: dict[str, Timings] = field(default_factory=dict)
+    #: contender -> page faults (minor and major) the process took during each timed call
+    faults: dict[str, list[int]] = field(default_factory=dict)
+    #: contender -> CPU-seconds (all threads) the process used during each timed call
+    cpu: dict[str, list[float]] = field(default_factory=dict)
     upload_idle: Timings = field(default_factory=Timings)
     run_save: Timings = field(default_factory=Timings)
     step_alone: Timings = field(default_factory=Timings)
@@ -168,11 +186,26 @@ class MemoryPeak:
         self.peak = max(self.peak, held_memory())
 
 
+#: Page faults and CPU-seconds of the last :func:`timed` call.
+last_faults = [0]
+last_cpu = [0.0]
+
+
+def page_faults() -> int:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_minflt + usage.ru_majflt
+
+
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     prepare()
+    faults = page_faults()
+    cpu = time.process_time()
     started = time.perf_counter()
     result = fn()
-    return time.perf_counter() - started, result
+    seconds = time.perf_counter() - started
+    last_cpu[0] = time.process_time() - cpu
+    last_faults[0] = page_faults() - faults
+    return seconds, result
 
 
 # -- measurements -------------------------------------------------------------------------------
@@ -192,21 +225,22 @@ def measure_blocked(
         for key, tensor in state.items():
             buffers[key].copy_(tensor)
 
-    names = [MEMCPY, "ShardWriter.save", RUN_SAVE, RUN_SAVE_KEEP]
+    names = [MEMCPY, "ShardWriter.save", *RUN_MODES]
     out.blocked = {name: Timings() for name in names}
-    out.memory = {RUN_SAVE: [], RUN_SAVE_KEEP: []}
+    out.faults = {name: [] for name in names}
+    out.cpu = {name: [] for name in names}
     with (
         # One store per contender: a save never finds the other's blobs already stored.
         ShardWriter(new_store("shards")) as writer,
         open_run("bench-async", db=scratch / "manifest.db", store=new_store("run")) as run,
         open_run(
-            "bench-keep",
+            "bench-give-back",
             db=scratch / "manifest.db",
-            store=new_store("keep"),
-            keep_snapshot_buffers=True,
-        ) as keep,
+            store=new_store("give-back"),
+            **RUN_MODES[RUN_SAVE_GIVE_BACK],
+        ) as give_back,
     ):
-        runs = {RUN_SAVE: run, RUN_SAVE_KEEP: keep}
+        runs = {RUN_SAVE: run, RUN_SAVE_GIVE_BACK: give_back}
         steps = iter(range(10**9))
         # Untimed first calls: the reusable buffers are allocated here, once.
         memcpy()
@@ -223,7 +257,9 @@ def measure_blocked(
                 else:
                     seconds = blocked_run_save(runs[name], next(steps), state, out, name)
                 out.blocked[name].samples.append(seconds)
-        measure_memory(runs, steps, state, out)
+                out.faults[name].append(last_faults[0])
+                out.cpu[name].append(last_cpu[0])
+    measure_memory(state, new_store, scratch, out)
 
 
 def blocked_shard_save(
@@ -248,22 +284,30 @@ def blocked_run_save(
 
 
 def measure_memory(
-    runs: dict[str, Any], steps: Iterator[int], state: dict[str, torch.Tensor], out: TargetResult
+    state: dict[str, torch.Tensor], new_store: StoreFactory, scratch: Path, out: TargetResult
 ) -> None:
-    """Held memory around each run's saves: its peak during a save and its level after the
-    commit, above the level before the call. Untimed saves of their own: reading
-    smaps_rollup every millisecond walks the page tables under the mmap lock, which would slow
-    the snapshot it watches."""
-    for rep in range(2):
-        touch(state, 1000 + rep)
-        for name, run in runs.items():
+    """Held memory of each ``Run.save`` mode, on a fresh run of its own, after the timed part:
+    the peak during a save and the level after its commit, above the level before the run's
+    first save of the state (the run's kept buffers count). Untimed saves of their own:
+    reading smaps_rollup every millisecond walks the page tables under the mmap lock, which
+    would slow the snapshot it watches."""
+    for i, (name, options) in enumerate(RUN_MODES.items()):
+        out.memory[name] = []
+        with open_run(
+            f"bench-memory-{i}",
+            db=scratch / "manifest.db",
+            store=new_store(f"memory-{i}"),
+            **options,
+        ) as run:
+            run.save(0, {"warm": torch.ones(4)}).wait()  # threads, connections, queries
             prepare()
-            with MemoryPeak() as memory:
-                run.save(next(steps), {"policy": state}).wait()
-            after = held_memory()
-            out.memory.setdefault(name, []).append(
-                (memory.peak - memory.before, after - memory.before)
-            )
+            before = held_memory()
+            for step in (1, 2):  # the first allocates the buffers, the second reuses them
+                touch(state, 1000 + step)
+                prepare()
+                with MemoryPeak() as memory:
+                    run.save(step, {"policy": state}).wait()
+                out.memory[name].append((memory.peak - before, held_memory() - before))
 
 
 def measure_train_step(
@@ -375,13 +419,19 @@ def report(
     for result in results:
         floor = result.blocked[MEMCPY].median
         print(f"\n[{result.name}]  other processes: {result.other_cpu:.0%} of the CPUs")
-        print(f"{'blocked by':<30}{'median s':>10}{'GB/s':>8}{'x memcpy':>10}   runs")
+        cpu_floor = statistics.median(result.cpu[MEMCPY])
+        print(
+            f"{'blocked by':<30}{'median s':>10}{'GB/s':>8}{'x memcpy':>10}{'CPU-s':>8}"
+            f"{'x memcpy':>10}{'faults':>9}   runs"
+        )
         for name, timings in result.blocked.items():
             runs = " ".join(f"{s:.3f}" for s in timings.samples)
             ratio = timings.median / floor
+            cpu = statistics.median(result.cpu[name])
+            faults = statistics.median(result.faults[name])
             print(
                 f"{name:<30}{timings.median:>10.3f}{nbytes / timings.median / 1e9:>8.2f}"
-                f"{ratio:>9.2f}x   {runs}"
+                f"{ratio:>9.2f}x{cpu:>8.3f}{cpu / cpu_floor:>9.2f}x{faults:>9.0f}   {runs}"
             )
         for name, timings in result.blocked.items():
             if not name.startswith("memcpy"):
@@ -394,7 +444,7 @@ def report(
             after = statistics.median(a for _, a in samples)
             verdict = "MET" if max(peak, after) <= nbytes + MEMORY_SLACK else "NOT MET"
             print(
-                f"  held memory, {name}: peak during the save +{peak / MiB:.0f} MiB, after it "
+                f"  held memory, {name}: peak during a save +{peak / MiB:.0f} MiB, after it "
                 f"+{after / MiB:.0f} MiB (S = {nbytes / MiB:.0f} MiB; goal <= S + 512 MiB: "
                 f"{verdict})"
             )

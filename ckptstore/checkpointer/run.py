@@ -44,7 +44,7 @@ class Run:
         retention: RetentionPolicy,
         writer_options: WriterOptions | None,
         async_save: bool,
-        keep_snapshot_buffers: bool = False,
+        keep_snapshot_buffers: bool = True,
         owns: Sequence[Any] = (),
     ) -> None:
         self.db = db

@@ -99,10 +99,11 @@ class ShardWriter:
         store: str | ObjectStore,
         *,
         options: WriterOptions | None = None,
-        keep_snapshot_buffers: bool = False,
+        keep_snapshot_buffers: bool = True,
     ) -> None:
-        """``keep_snapshot_buffers``: keep ``save``'s host buffers resident between saves
-        (by default their memory goes back to the kernel once each save is stored; see
+        """``keep_snapshot_buffers``: keep ``save``'s host buffers resident between saves (the
+        default: a copy of the state held from the first async save to ``close``); False hands
+        their memory back to the kernel once each save is stored (see
         :mod:`ckptstore.checkpointer.snapshot`)."""
         self._owns_store = not isinstance(store, ObjectStore)
         self.store = open_store(store) if not isinstance(store, ObjectStore) else store

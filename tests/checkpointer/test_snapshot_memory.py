@@ -1,6 +1,7 @@
 """How much memory an async save holds: during the save its snapshot (the state's size S, plus
-bounded upload buffers), and after it, by default, nothing -- the snapshot's pages go back to the
-kernel lazily (``MADV_FREE``) -- unless the run asked to keep them resident.
+bounded upload buffers); after it, by default, the same snapshot buffers, kept resident for the
+next save (S for the run's lifetime, never more); with ``keep_snapshot_buffers=False``, nothing --
+the snapshot's pages go back to the kernel lazily (``MADV_FREE``).
 
 Measured in a fresh interpreter from ``/proc/self/smaps_rollup``: "held" is resident memory
 minus what the kernel may take back at will (``LazyFree``).
@@ -27,7 +28,8 @@ import torch
 from ckptstore import open_run
 from ckptstore.testing.memory import held_and_lazily_freed as memory
 
-root, keep = sys.argv[1], sys.argv[2] == "keep"
+root, mode = sys.argv[1], sys.argv[2]
+options = {} if mode == "default" else {"keep_snapshot_buffers": mode == "keep"}
 g = torch.Generator().manual_seed(0)
 state = {"model": {f"w{i}": torch.randn(6 * (1 << 20), generator=g) for i in range(4)}}
 size = sum(t.numel() * t.element_size() for t in state["model"].values())
@@ -39,7 +41,7 @@ def sample():
         time.sleep(0.001)
 
 report = {"size": size, "saves": []}
-with open_run("r", db=root + "/m.db", store=root + "/s", keep_snapshot_buffers=keep) as run:
+with open_run("r", db=root + "/m.db", store=root + "/s", **options) as run:
     run.save(0, {"model": {"w": torch.ones(4)}}).wait()  # imports, threads, first queries
     sampler = threading.Thread(target=sample)
     for step in (1, 2, 3):
@@ -75,8 +77,8 @@ def measure(tmp_path: Path, mode: str) -> dict[str, object]:
     return report
 
 
-def test_an_async_save_holds_its_snapshot_only_while_it_runs(tmp_path: Path) -> None:
-    report = measure(tmp_path, "default")
+def test_giving_the_buffers_back_holds_the_snapshot_only_while_it_runs(tmp_path: Path) -> None:
+    report = measure(tmp_path, "give-back")
     size = report["size"]
     assert isinstance(size, int)
     assert report["exact"] is True
@@ -91,15 +93,21 @@ def test_an_async_save_holds_its_snapshot_only_while_it_runs(tmp_path: Path) -> 
         assert save["lazy"] >= 0.9 * size, save
 
 
-def test_keep_snapshot_buffers_keeps_them_resident(tmp_path: Path) -> None:
-    report = measure(tmp_path, "keep")
+@pytest.mark.parametrize("mode", ["default", "keep"])
+def test_the_snapshot_buffers_stay_resident_by_default(tmp_path: Path, mode: str) -> None:
+    # Pages handed back lazily are the first the kernel takes when it needs memory (any new
+    # file data once the page cache fills memory): every later snapshot would fault in and
+    # zero the state's size of fresh pages, 2-3x the time of the copy (issue 26).
+    report = measure(tmp_path, mode)
     size = report["size"]
     assert isinstance(size, int)
     assert report["exact"] is True
     saves = report["saves"]
     assert isinstance(saves, list)
     first, *later = saves
-    assert first["held"] - first["baseline"] >= 0.9 * size, first
+    # The first save allocates them (S, bounded like the peak of any save), and keeps them.
+    assert 0.9 * size <= first["held"] - first["baseline"] <= size + 512 * MiB, first
+    assert first["lazy"] < 0.1 * size, first
     for save in later:  # reused: no new memory, none handed back
         assert abs(save["held"] - save["baseline"]) < 0.1 * size, save
         assert save["lazy"] < 0.1 * size, save

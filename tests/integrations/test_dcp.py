@@ -562,7 +562,7 @@ def test_stager_reuses_its_buffers_and_copies() -> None:
 
 
 @SINGLE_PROCESS
-@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep_buffers"])
+@pytest.mark.parametrize("keep", [False, True], ids=["hand_back", "default_keeps"])
 def test_async_save_hands_the_staged_memory_back_once_stored(run: Run, keep: bool) -> None:
     size = 32 << 20
     stager = SnapshotStager(keep_buffers=keep)
@@ -576,6 +576,7 @@ def test_async_save_hands_the_staged_memory_back_once_stored(run: Run, keep: boo
             assert handed_back < size // 2
         else:
             assert handed_back >= 0.9 * size
+        assert SnapshotStager()._buffers.keep_buffers  # resident is the default
         # The next save writes into the same buffers again, whether or not the kernel took them.
         second = ckpt_dcp.save(
             {"w": torch.full((size // 4,), 2.0)}, run, 2, async_save=True, stager=stager

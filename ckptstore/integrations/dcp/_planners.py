@@ -85,14 +85,15 @@ class SnapshotStager(AsyncStager):
 
     The buffers are reused, so wait for one async save to finish before staging the next
     (:func:`save` with ``async_save=True`` does). Once a save is stored, :func:`save` calls
-    :meth:`release`: by default the buffers' memory goes back to the kernel lazily, as a run's
-    snapshot buffers do (``keep_buffers=True`` keeps them resident: faster, a second copy of
-    the state held between saves). ``close()`` drops them.
+    :meth:`release`: by default the buffers stay resident, a copy of the state held between
+    saves, as a run's snapshot buffers do (``keep_buffers=False`` hands their memory back to
+    the kernel lazily: less held between saves, but a snapshot after the kernel took it faults
+    in fresh pages, 2-3x the copy). ``close()`` drops them.
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, *, keep_buffers: bool = False) -> None:
+    def __init__(self, *, keep_buffers: bool = True) -> None:
         self._buffers = HostBuffers(keep_buffers=keep_buffers)
         self._lock = threading.Lock()
         #: The upload of the last staged save, set by :func:`save`.
