@@ -41,6 +41,13 @@ class WriterOptions:
     max_inflight_bytes: int = 512 * MiB
     #: ``auto``, ``always`` or ``never`` (see :class:`ckptstore.cas.codec.Compression`).
     compression: str = "auto"
+    #: Take the chunk digests of a tensor whose PyTorch version counter (and storage, place
+    #: and layout) is unchanged since this writer's previous save, instead of hashing its
+    #: bytes again: an incremental save then hashes only what changed. Off by default, since
+    #: some writes go uncounted (``tensor.data``, the fused ``torch.optim`` optimizers, numpy
+    #: views): see :mod:`ckptstore.serialize.unchanged` for the limits and the guard. Only a
+    #: run's own saves reuse digests (a ``ShardWriter`` does not know which blobs are live).
+    reuse_unchanged_digests: bool = False
 
     def __post_init__(self) -> None:
         if self.chunk_bytes < 1 * MiB:
@@ -128,6 +135,10 @@ class BlobWriter:
             raise
         future.add_done_callback(lambda _f: self._budget.release(n))
         return future
+
+    def is_known(self, digest: str) -> bool:
+        """Whether ``known`` says ``digest`` is stored (False for a writer without it)."""
+        return self._known is not None and self._known(digest)
 
     def _store_one(
         self, raw: memoryview, kind: Kind, itemsize: int, float_like: bool, _keepalive: object

@@ -7,10 +7,12 @@ A save is this sequence of calls; every participant sees only its own part:
 2. (background) :func:`run_save` inserts the ``pending`` row with the writer's epoch.
 3. (background, and in any worker holding shards) each component is chunked, hashed, deduplicated
    (against the live blobs of the run's newest committed checkpoint, fetched in one query per
-   save; other blobs are probed in the store), compressed and uploaded; each yields a small
-   ``ShardReceipt`` (component, index digest, the blobs it references, byte counts), after one
-   batched ``store.flush()`` makes its objects durable. Workers never need database access;
-   they hand their receipts to the process that commits.
+   save; other blobs are probed in the store; with ``reuse_unchanged_digests``, a tensor whose
+   version counter did not move keeps its remembered digests unhashed once the whole save's
+   candidates passed the guard of serialize/unchanged.py), compressed and uploaded; each
+   yields a small ``ShardReceipt`` (component, index digest, the blobs it references, byte
+   counts), after one batched ``store.flush()`` makes its objects durable. Workers never need
+   database access; they hand their receipts to the process that commits.
 4. (background) :func:`commit`: the receipts become blob claims and component rows, and one
    transaction checks the writer epoch (``FencedError`` for a stale writer), checks in the store
    every blob that is not a live row while holding the GC lock, records blobs, references and
@@ -43,7 +45,7 @@ from ckptstore.manifest import reading as reads
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import BlobClaim, CheckpointInfo, ComponentInfo
 from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.save import write_flat
+from ckptstore.serialize.save import reusable, write_flat
 
 log = logging.getLogger("ckptstore.checkpointer")
 
@@ -100,11 +102,16 @@ def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
         writer.db, writer.run_id, request.step, writer.epoch, request.trigger
     )
     try:
-        writer.refresh_live()
+        if request.flats:  # a save of receipts alone writes no blob: nothing to reuse
+            writer.refresh_live()
         writer.blobs.forget()
+        flats = list(request.flats.items())
+        reuse = reusable(writer.blobs, [flat for _, flat in flats])
         receipts = [
-            ShardReceipt(name, write_flat(writer.blobs, flat), request.kinds.get(name, "state"))
-            for name, flat in request.flats.items()
+            ShardReceipt(
+                name, write_flat(writer.blobs, flat, reused), request.kinds.get(name, "state")
+            )
+            for (name, flat), reused in zip(flats, reuse, strict=True)
         ]
         request.flats.clear()  # the snapshot's views are no longer needed
         # Durability before the commit (step 3): one batched flush of what this save wrote.
@@ -191,7 +198,7 @@ def commit(
         values=values,
         check_objects=lambda digests: check_objects(writer.store, digests),
     )
-    info = reads.checkpoint(writer.db, checkpoint_id)
+    info = reads.committed(writer.db, checkpoint_id, components)
     assert info is not None
     return info, revived
 
@@ -238,8 +245,9 @@ def check_objects(store: ObjectStore, digests: Sequence[str]) -> Mapping[str, in
     missing."""
     if not digests:
         return {}
-    found = store.sizes([blob_key(d) for d in digests])
-    sizes = {d: found[blob_key(d)] for d in digests}
+    keys = {d: blob_key(d) for d in digests}
+    found = store.sizes(list(keys.values()))
+    sizes = {d: found[key] for d, key in keys.items()}
     missing = [d for d, size in sizes.items() if size is None]
     if missing:
         raise SaveError(

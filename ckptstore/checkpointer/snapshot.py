@@ -7,12 +7,16 @@ with it, so a steady-state snapshot does no per-tensor work beyond the copy. Ten
 are copied into pinned host buffers. One save is in flight at a time, so a buffer (and its
 leaf) is never reused while its bytes are still being stored.
 
-Between saves, a run need not hold a second copy of its state. By default, once a save's bytes
-are stored, the buffers' memory is handed back to the kernel with ``MADV_FREE``: it no longer
-counts as the process's own (``LazyFree`` in ``/proc/self/smaps_rollup``) and the kernel takes
-it whenever it needs memory; if it has not, the next snapshot writes into the same pages without
-faulting them in again. ``keep_buffers=True`` keeps them resident instead (pinned buffers
-always stay: they cannot be handed back lazily).
+Between saves the buffers stay resident by default (``keep_buffers=True``): the writer holds
+one copy of its CPU state, and every later snapshot is a copy into mapped memory.
+``keep_buffers=False`` hands their memory back to the kernel with ``MADV_FREE`` once a save's
+bytes are stored: it no longer counts as the process's own (``LazyFree`` in
+``/proc/self/smaps_rollup``) and the kernel takes it whenever it needs memory -- on a host whose
+page cache fills memory, for any new file data -- and the next snapshot then faults in and
+zeroes the state's size of fresh pages (2-3x the time of the copy itself; issue 26 measured an
+async save on S3 blocked 2.09x memcpy that way). If the kernel has not taken them, the next
+snapshot writes into the same pages without faults. Pinned buffers (GPU tensors) always stay:
+they cannot be handed back lazily.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from ckptstore.serialize.save import FlatState, check_tensor, flatten_state, tensor_leaf
 from ckptstore.serialize.tree import Leaf
+from ckptstore.serialize.unchanged import DigestMemory
 
 log = logging.getLogger("ckptstore.checkpointer")
 
@@ -132,13 +137,16 @@ class Snapshotter:
     """Copies components into reusable host buffers and flattens them.
 
     ``keep_buffers``: see :class:`HostBuffers`. Call :meth:`release` once a snapshot's bytes
-    are stored.
+    are stored. Each flattened component carries its part of the snapshotter's
+    :class:`~ckptstore.serialize.unchanged.DigestMemory` (and its tensors' stamps, while the
+    memory wants them), so a writer that reuses unchanged tensors' digests can.
     """
 
-    def __init__(self, *, keep_buffers: bool = False) -> None:
+    def __init__(self, *, keep_buffers: bool = True) -> None:
         self._pool = HostBuffers(keep_buffers=keep_buffers)
         #: buffer key -> the leaf that views its buffer (rebuilt when the buffer is new)
         self._leaves: dict[str, Leaf] = {}
+        self._memory = DigestMemory()
         self._warned_unwrapped = False
 
     def take(self, components: Mapping[str, Any], *, copy: bool = True) -> dict[str, FlatState]:
@@ -160,12 +168,20 @@ class Snapshotter:
                 sample,
             )
         if not copy:
-            self.clear()
-            return {name: flatten_state(state) for name, state in components.items()}
+            self._forget_buffers()
+            return {
+                name: flatten_state(state, memory=self._memory.component(name))
+                for name, state in components.items()
+            }
         self._pool.begin()
         try:
             flats = {
-                name: flatten_state(state, tensor_view=self._copy_view(name), copy_arrays=True)
+                name: flatten_state(
+                    state,
+                    tensor_view=self._copy_view(name),
+                    copy_arrays=True,
+                    memory=self._memory.component(name),
+                )
                 for name, state in components.items()
             }
         finally:
@@ -179,7 +195,11 @@ class Snapshotter:
         self._pool.release()
 
     def clear(self) -> None:
-        """Forget every buffer (the writer is closing)."""
+        """Forget every buffer and what earlier saves remembered (the writer is closing)."""
+        self._forget_buffers()
+        self._memory.clear()
+
+    def _forget_buffers(self) -> None:
         self._pool.clear()
         self._leaves.clear()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +17,13 @@ from ckptstore.errors import SerializationError
 from ckptstore.serialize.dtypes import byte_view, dense, is_float_like, torch_dtype_name
 from ckptstore.serialize.index import ComponentIndex, Entry, Segment
 from ckptstore.serialize.tree import Flattener, Leaf
+from ckptstore.serialize.unchanged import (
+    ComponentMemory,
+    Remembered,
+    TensorStamp,
+    fingerprint,
+    stamp_of,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,11 @@ class FlatState:
 
     tree: Any
     leaves: list[Leaf]
+    #: The stamps of its large tensors, by entry path, taken as it was flattened (see
+    #: :mod:`ckptstore.serialize.unchanged`); empty unless ``memory`` wanted them.
+    stamps: dict[str, TensorStamp] = field(default_factory=dict)
+    #: What earlier saves of this component remembered; None: no digest is reused.
+    memory: ComponentMemory | None = None
 
 
 def flatten_state(
@@ -99,18 +111,33 @@ def flatten_state(
     *,
     tensor_view: Callable[[torch.Tensor, str], Leaf] = tensor_leaf,
     copy_arrays: bool = False,
+    memory: ComponentMemory | None = None,
 ) -> FlatState:
     """Flatten ``state``; unsupported values raise ``SerializationError`` naming their path.
 
     With ``copy_arrays`` numpy arrays and bytearrays are copied (tensors are handled by
-    ``tensor_view``), so the result does not alias the caller's mutable memory.
+    ``tensor_view``), so the result does not alias the caller's mutable memory. With a
+    ``memory`` that wants them, each large tensor's stamp is taken too, so that
+    :func:`write_flat` can tell it unchanged since an earlier save.
     """
-    flat = Flattener(tensor_view, copy_arrays=copy_arrays)
+    stamps: dict[str, TensorStamp] = {}
+    view = tensor_view
+    if memory is not None and memory.wanted:
+
+        def stamped(tensor: torch.Tensor, path: str) -> Leaf:
+            leaf = tensor_view(tensor, path)  # checks the tensor first
+            stamp = stamp_of(tensor)
+            if stamp is not None:
+                stamps[path] = stamp
+            return leaf
+
+        view = stamped
+    flat = Flattener(view, copy_arrays=copy_arrays)
     try:
         tree = flat.flatten(state)
     except RecursionError:
         raise SerializationError("the state is nested too deeply to checkpoint") from None
-    return FlatState(tree, flat.leaves)
+    return FlatState(tree, flat.leaves, stamps, memory)
 
 
 def write_component(
@@ -127,12 +154,18 @@ def write_component(
     return write_flat(writer, flatten_state(state, tensor_view=tensor_view))
 
 
-def write_flat(writer: BlobWriter, flat: FlatState) -> ComponentResult:
-    """Store a flattened state (see :func:`write_component`)."""
+def write_flat(
+    writer: BlobWriter, flat: FlatState, reused: dict[int, Remembered] | None = None
+) -> ComponentResult:
+    """Store a flattened state (see :func:`write_component`). ``reused``: the leaves whose
+    remembered digests :func:`reusable` allowed, if it was asked for the whole save at once;
+    by default this component alone is asked."""
     tree = flat.tree
     plan = _Plan()
+    if reused is None:
+        (reused,) = reusable(writer, [flat])
     try:
-        _submit_all(writer, flat.leaves, plan)
+        _submit_all(writer, flat.leaves, plan, reused)
     finally:
         # Tasks hold views of the caller's memory: never return while one is running.
         wait(plan.futures)
@@ -145,6 +178,7 @@ def write_flat(writer: BlobWriter, flat: FlatState) -> ComponentResult:
             keep_ref(refs, ref)
             resolved.append(Segment(ref.digest, offset, length))
         entries.append(_entry(leaf, tuple(resolved)))
+    _remember(flat, plan, reused)
     index = ComponentIndex(tree=tree, entries=tuple(entries))
     encoded = memoryview(index.encode())
     index_ref = writer.submit(encoded, Kind.INDEX, keepalive=encoded).result()
@@ -163,43 +197,147 @@ def _entry(leaf: Leaf, segments: tuple[Segment, ...]) -> Entry:
     return Entry(leaf.path, leaf.kind, leaf.dtype, leaf.shape, leaf.data.nbytes, segments)
 
 
-def _submit_all(writer: BlobWriter, leaves: list[Leaf], plan: _Plan) -> None:
+def reusable(writer: BlobWriter, flats: Sequence[FlatState]) -> list[dict[int, Remembered]]:
+    """For each of a save's flattened components, the leaves (by index) whose chunk digests an
+    earlier save remembered and that may be reused without hashing: stamp unchanged, every
+    chunk a blob the writer knows is stored, and the fingerprint unchanged -- checked for every
+    candidate of the save before any is reused (see :mod:`ckptstore.serialize.unchanged`)."""
+    found: list[dict[int, Remembered]] = [{} for _ in flats]
+    for flat, candidates in zip(flats, found, strict=True):
+        memory = flat.memory
+        if memory is None:
+            continue
+        memory.run.wanted = writer.options.reuse_unchanged_digests
+        if memory.wanted:
+            candidates.update(_candidates(writer, flat, memory))
+    for flat, candidates in zip(flats, found, strict=True):
+        for i, kept in candidates.items():
+            data = flat.leaves[i].data
+            if data is None or fingerprint(data) != kept.fingerprint:
+                assert flat.memory is not None
+                flat.memory.distrust(flat.leaves[i].path)
+                return [{} for _ in flats]
+    return found
+
+
+def _candidates(
+    writer: BlobWriter, flat: FlatState, memory: ComponentMemory
+) -> Iterator[tuple[int, Remembered]]:
+    """The leaves whose stamp matches the remembered one and whose chunks are all stored."""
+    for i, leaf in enumerate(flat.leaves):
+        stamp = flat.stamps.get(leaf.path)
+        kept = None if stamp is None else memory.recall(leaf.path, stamp)
+        if (
+            kept is not None
+            and leaf.data is not None
+            and leaf.data.nbytes == sum(chunk.logical_bytes for chunk in kept.chunks)
+            and all(writer.is_known(chunk.digest) for chunk in kept.chunks)
+        ):
+            yield i, kept
+
+
+def _remember(flat: FlatState, plan: _Plan, reused: dict[int, Remembered]) -> None:
+    """Record each stamped tensor stored in chunks: its stamp, fingerprint and chunks."""
+    memory = flat.memory
+    if memory is None:
+        return
+    entries: dict[str, Remembered] = {}
+    for i, leaf in enumerate(flat.leaves):
+        stamp = flat.stamps.get(leaf.path) if memory.wanted else None
+        if stamp is None or leaf.data is None:
+            continue
+        if i in reused:
+            entries[leaf.path] = reused[i]
+            continue
+        chunks = [future.result() for future, _, _ in plan.segments[i]]
+        if chunks and all(chunk.kind is Kind.CHUNK for chunk in chunks):
+            entries[leaf.path] = Remembered(
+                stamp,
+                fingerprint(leaf.data),
+                tuple(_as_stored(chunk) for chunk in chunks),
+            )
+    memory.entries = entries
+
+
+def _as_stored(ref: BlobRef) -> BlobRef:
+    """``ref`` as a later save that reuses it reports it: already stored, nothing uploaded."""
+    return BlobRef(ref.digest, ref.kind, None, ref.logical_bytes, 0, uploaded=False)
+
+
+def _done(ref: BlobRef) -> Future[BlobRef]:
+    future: Future[BlobRef] = Future()
+    future.set_result(ref)
+    return future
+
+
+def _submit_all(
+    writer: BlobWriter, leaves: list[Leaf], plan: _Plan, reused: dict[int, Remembered]
+) -> None:
+    """Submit every leaf's blobs: the chunks of the largest tensors first, so that a save does
+    not end with one big chunk being hashed, written and written back while the other workers
+    idle; then the small leaves, packed in their order (a pack's digest must not depend on the
+    other leaves' sizes, or an unchanged pack would be stored again)."""
+    plan.segments = [[] for _ in leaves]
+    chunked: list[tuple[int, int]] = []
+    small: list[int] = []
+    for i, leaf in enumerate(leaves):
+        size = 0 if leaf.data is None else leaf.data.nbytes
+        if not size:
+            continue
+        if i in reused:
+            plan.segments[i] = [(_done(c), 0, c.logical_bytes) for c in reused[i].chunks]
+        elif size < writer.options.pack_threshold:
+            small.append(i)
+        else:
+            chunked.append((size, i))
+    for _, i in sorted(chunked, key=lambda sized: -sized[0]):
+        _submit_chunks(writer, leaves[i], plan.segments[i], plan.futures)
+    _submit_packs(writer, leaves, small, plan)
+
+
+def _submit_chunks(
+    writer: BlobWriter,
+    leaf: Leaf,
+    segments: list[tuple[Future[BlobRef], int, int]],
+    futures: list[Future[BlobRef]],
+) -> None:
+    """One blob per element-aligned chunk of ``leaf``'s bytes."""
+    assert leaf.data is not None
+    step = max(leaf.itemsize, writer.options.chunk_bytes // leaf.itemsize * leaf.itemsize)
+    for start in range(0, leaf.data.nbytes, step):
+        piece = leaf.data[start : start + step]
+        future = writer.submit(
+            piece,
+            Kind.CHUNK,
+            itemsize=leaf.itemsize,
+            float_like=leaf.float_like,
+            keepalive=leaf.owner,
+        )
+        futures.append(future)
+        segments.append((future, 0, piece.nbytes))
+
+
+def _submit_packs(writer: BlobWriter, leaves: list[Leaf], small: list[int], plan: _Plan) -> None:
+    """The ``small`` leaves gathered into packs, in their order."""
     options = writer.options
     pack = PackBuilder(options.pack_bytes)
-    pack_members: list[int] = []
+    members: list[int] = []
 
     def flush() -> None:
-        nonlocal pack, pack_members
         if not pack.items:
             return
         raw, toc = pack.build()
         future = writer.submit(memoryview(raw), Kind.PACK, keepalive=raw)
         plan.futures.append(future)
-        for member, item in zip(pack_members, toc, strict=True):
+        for member, item in zip(members, toc, strict=True):
             plan.segments[member] = [(future, item.offset, item.length)]
-        pack, pack_members = PackBuilder(options.pack_bytes), []
 
-    for i, leaf in enumerate(leaves):
-        plan.segments.append([])
-        data = leaf.data
-        if data is None or data.nbytes == 0:
-            continue
-        if data.nbytes < options.pack_threshold:
-            if not pack.fits(data.nbytes):
-                flush()
-            pack.add(leaf.path, data)
-            pack_members.append(i)
-            continue
-        step = max(leaf.itemsize, options.chunk_bytes // leaf.itemsize * leaf.itemsize)
-        for start in range(0, data.nbytes, step):
-            piece = data[start : start + step]
-            future = writer.submit(
-                piece,
-                Kind.CHUNK,
-                itemsize=leaf.itemsize,
-                float_like=leaf.float_like,
-                keepalive=leaf.owner,
-            )
-            plan.futures.append(future)
-            plan.segments[i].append((future, 0, piece.nbytes))
+    for i in small:
+        data = leaves[i].data
+        assert data is not None
+        if not pack.fits(data.nbytes):
+            flush()
+            pack, members = PackBuilder(options.pack_bytes), []
+        pack.add(leaves[i].path, data)
+        members.append(i)
     flush()
