@@ -106,9 +106,10 @@ def _env(root: Path) -> dict[str, str]:
     )
 
 
-def _kill_at(root: Path, command: list[str], marker: str) -> str:
+def _kill_at(root: Path, command: list[str], marker: str, after: str | None = None) -> str:
     """Run the trainer in a child process (its own process group, so that Ray's processes
-    go too) and SIGKILL the group when a printed line matches."""
+    go too) and SIGKILL the group when a printed line matches ``marker`` (once a line has
+    matched ``after``, if given)."""
     child = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -120,9 +121,11 @@ def _kill_at(root: Path, command: list[str], marker: str) -> str:
     seen = []
     assert child.stdout is not None
     try:
+        armed = after is None
         for line in child.stdout:
             seen.append(line)
-            if re.search(marker, line):
+            armed = armed or re.search(after or "", line) is not None
+            if armed and re.search(marker, line):
                 os.killpg(child.pid, signal.SIGKILL)
                 break
     finally:
@@ -251,17 +254,20 @@ def test_resumed_run_trains_the_same_prompts(
 
 @pytest.mark.timeout(600)
 def test_resumed_run_on_ray_trains_the_same_prompts(tmp_path: Path) -> None:
-    # The default sampler through the real command on Ray, SIGKILLed mid-run (once step 4 is
-    # printed: Ray forwards output in batches, so the kill lands a few steps later; saves run
-    # inside the controller actor, out of kill_child.py's reach), then resumed. The prompt
-    # order does not depend on the backend, so the in-process uninterrupted run is the
-    # reference.
+    # The default sampler through the real command on Ray, SIGKILLed mid-run (at the first
+    # step printed after a save committed: Ray forwards output in batches, so the kill lands a
+    # few steps later; saves run inside the controller actor, out of kill_child.py's reach),
+    # then resumed. The prompt order does not depend on the backend, so the in-process
+    # uninterrupted run is the reference.
     (tmp_path / "whole").mkdir()
     expected = _uninterrupted(tmp_path / "whole", "windowed", RAY_STEPS)
     root = tmp_path / "run"
     root.mkdir()
     command = _command(root, "windowed", "ray", steps=RAY_STEPS)
-    _kill_at(root, command, r"^step\s+4 \|")
+    # Once a save has committed: the commits run in the background, and under load the step
+    # 2 save could still be in flight when step 4 is printed (the resume then found no
+    # checkpoint and started the run afresh).
+    _kill_at(root, command, r"^step\s+\d+ \|", after=r"^saved step \d+")
     resumed = subprocess.run(
         command,
         env=_env(root),
