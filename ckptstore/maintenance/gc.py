@@ -205,51 +205,53 @@ class _Pass:
                 return
             after = end
 
-    def mark(self, cutoff: dt.datetime) -> None:
-        report = self.report
+    def walk(
+        self,
+        find: Callable[[garbage.Window], list[tuple[str, int]]],
+        act: Callable[[Sequence[str]], tuple[int, int]],
+        pace: Pace,
+    ) -> Iterator[tuple[int, int]]:
+        """(count, bytes) of each step of a pass: for each window, the candidates ``find``
+        reads without a lock -- in a dry run, all of them as found; otherwise each batch of
+        them that ``act`` checks again and handles under the GC lock, paced by ``pace``."""
         for window in self.windows():
-            found = garbage.unclaimed_in(
-                self.db, window, cutoff, release_corrupt=report.release_corrupt
-            )
-            if report.dry_run:
-                report.condemned += len(found)
-                report.condemned_bytes += sum(size for _, size in found)
+            found = find(window)
+            if self.report.dry_run:
+                yield len(found), sum(size for _, size in found)
                 continue
-            digests = [d for d, _ in found]
-            for batch in self.condemning.batches(digests):
+            for batch in pace.batches([d for d, _ in found]):
                 started = time.perf_counter()
-                count, size = garbage.condemn(
-                    self.db, batch, cutoff, release_corrupt=report.release_corrupt
-                )
-                self.held(self.condemning, started, len(batch))
-                report.condemned += count
-                report.condemned_bytes += size
+                done = act(batch)
+                self.held(pace, started, len(batch))
+                yield done
+
+    def mark(self, cutoff: dt.datetime) -> None:
+        report, corrupt = self.report, self.report.release_corrupt
+        for count, size in self.walk(
+            lambda window: garbage.unclaimed_in(self.db, window, cutoff, release_corrupt=corrupt),
+            lambda batch: garbage.condemn(self.db, batch, cutoff, release_corrupt=corrupt),
+            self.condemning,
+        ):
+            report.condemned += count
+            report.condemned_bytes += size
 
     def sweep(self, cutoff: dt.datetime) -> None:
-        report = self.report
-        for window in self.windows():
-            found = garbage.sweepable_in(
-                self.db, window, cutoff, release_corrupt=report.release_corrupt
-            )
-            if report.dry_run:
-                report.swept += len(found)
-                report.swept_bytes += sum(size for _, size in found)
-                continue
-            digests = [d for d, _ in found]
-            for batch in self.deleting.batches(digests):
-                started = time.perf_counter()
-                count, size = garbage.sweep(
-                    self.db,
-                    batch,
-                    cutoff,
-                    release_corrupt=report.release_corrupt,
-                    delete_objects=self.delete_objects,
-                )
-                self.held(self.deleting, started, len(batch))
-                report.swept += count
-                report.swept_bytes += size
-                if self.progress:
-                    self.progress("sweep", count)
+        report, corrupt = self.report, self.report.release_corrupt
+        for count, size in self.walk(
+            lambda window: garbage.sweepable_in(self.db, window, cutoff, release_corrupt=corrupt),
+            lambda batch: garbage.sweep(
+                self.db,
+                batch,
+                cutoff,
+                release_corrupt=corrupt,
+                delete_objects=self.delete_objects,
+            ),
+            self.deleting,
+        ):
+            report.swept += count
+            report.swept_bytes += size
+            if self.progress and not report.dry_run:
+                self.progress("sweep", count)
 
     def delete_objects(self, digests: Sequence[str]) -> None:
         self.store.delete([blob_key(d) for d in digests])
