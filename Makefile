@@ -8,6 +8,8 @@ PIP := $(PY) -m pip --disable-pip-version-check
 TORCH_PIN := torch==2.13.0
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+WHEELS ?=
+GPU_WHEELS := $(if $(WHEELS),--no-index --find-links $(WHEELS))
 
 .PHONY: demo test test-slow stress lint format bench bench-store bench-dcp bench-gpu bench-export bench-scale fuzz browser clean
 
@@ -78,9 +80,16 @@ bench-store: $(VENV)/.installed-dev
 
 ## bench-gpu: async-save blocked time of 4 and 16 GiB of GPU state against dcp.async_save's pinned
 ## stager, and the device-to-host rate against the device's pinned-copy peak (prints one line and
-## exits 0 without CUDA); installs nothing beyond the project
-bench-gpu: $(VENV)/.installed-core
-	$(PY) bench/bench_gpu.py $(BENCH_ARGS)
+## exits 0 without CUDA). Runs on the GPU machine's own Python and CUDA torch (PYTHON=/path/to/python
+## if python3 is not the one with torch): installs nothing but the project into it (editable, no
+## build isolation); a machine without internet takes the missing dependencies from WHEELS=dir
+bench-gpu:
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "make bench-gpu: $(PYTHON) cannot import torch;" \
+	  "bench-gpu uses the machine's own CUDA build of torch: install it, or pass PYTHON=/path/to/python"; exit 2; }
+	@$(PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+	  || $(PYTHON) -m pip install -q --disable-pip-version-check $(GPU_WHEELS) 'setuptools>=77'
+	$(PYTHON) -m pip install -q --disable-pip-version-check $(GPU_WHEELS) --no-build-isolation -e .
+	$(PYTHON) bench/bench_gpu.py $(BENCH_ARGS)
 
 ## bench-export: peak RSS of ckptstore export (--hf, consolidated) against torch's
 ## dcp_to_torch_save on a 512 MiB model (~3 min)

@@ -177,6 +177,13 @@ def time_dcp(state: dict[str, torch.Tensor], scratch: Path, reps: int, device: t
     row = Row("dcp.async_save (DefaultStager, pinned)", state_bytes(state) / GiB, first_s=0.0)
     try:
         for rep in range(reps + 1):
+            if rep and spent(stager):
+                # Older torch (2.11) closes a DefaultStager's copier after every staging, so a
+                # second save through it fails: such a torch stages each save with a new one
+                # (and new pinned buffers), as its users must.
+                stager.close()
+                stager = DefaultStager(options)
+                row.contender = "dcp.async_save (DefaultStager per save, pinned)"
             bump(state, device)
             target = scratch / f"dcp-{rep}"
             start = time.perf_counter()
@@ -196,21 +203,63 @@ def time_dcp(state: dict[str, torch.Tensor], scratch: Path, reps: int, device: t
     return row
 
 
+def spent(stager: Any) -> bool:
+    """Whether this torch's ``DefaultStager`` closed its state-dict copier after staging (its
+    copy dispatch table is empty then, and another save through it fails)."""
+    copier = getattr(stager, "_state_dict_stager", None)
+    table = getattr(copier, "_deepcopy_dispatch", None)
+    return table is not None and not table
+
+
 CONTENDERS: tuple[Callable[[dict[str, torch.Tensor], Path, int, torch.device], Row], ...] = (
     time_ckptstore,
     time_dcp,
 )
 
 
+def check_round_trip(scratch: Path, device: torch.device) -> str:
+    """What the timings rest on: an async save of device tensors holds the bytes they had when
+    the call returned, though the caller overwrites them at once (a training step), and a load
+    into device tensors (``into=``) gives those bytes back bit for bit."""
+    root = scratch / "round-trip"
+    state = build_state(0.25, device)
+    expected = {name: tensor.clone() for name, tensor in state.items()}
+    run = open_run("gpu-check", db=root / "manifest.db", store=root / "store", async_save=True)
+    try:
+        handle = run.save(0, {"state": state})
+        with torch.no_grad():
+            for tensor in state.values():
+                tensor.fill_(float("nan"))
+        handle.wait()
+        into = {name: torch.empty_like(tensor) for name, tensor in expected.items()}
+        run.load(0, into={"state": into})
+        synchronize(device)
+        for name, tensor in expected.items():
+            if not torch.equal(into[name].view(torch.uint8), tensor.view(torch.uint8)):
+                raise AssertionError(f"{name}: the loaded bytes differ from the saved ones")
+    finally:
+        run.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return f"{len(expected)} {device.type} tensors, overwritten after save returned: bit-exact"
+
+
 def measure(sizes: list[float], reps: int, scratch: Path, device: torch.device) -> dict[str, Any]:
     """Every contender at every size, plus the copy rates."""
+    print(f"round trip: {check_round_trip(scratch, device)}", flush=True)
     rates = copy_rates(device)
     rows: list[Row] = []
     for size in sizes:
         state = build_state(size, device)
         synchronize(device)
         for contender in CONTENDERS:
-            rows.append(contender(state, scratch, reps, device))
+            row = contender(state, scratch, reps, device)
+            rows.append(row)
+            # Each row as soon as it is measured: a run cut short still reports what it finished.
+            print(
+                f"measured {row.contender} at {row.size_gib:.2f} GiB: first {row.first_s:.3f} s, "
+                f"steady {[round(s, 3) for s in row.steady_s]} s",
+                flush=True,
+            )
         del state
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -231,14 +280,14 @@ def print_table(result: dict[str, Any]) -> None:
         f"pageable {rates['pageable_gbps']:.1f} GB/s"
     )
     columns = ("GiB", 6), ("first s", 8), ("steady s", 9), ("done s", 8), ("GB/s", 7), ("% peak", 7)
-    print(f"{'contender':42} " + " ".join(f"{name:>{width}}" for name, width in columns))
+    print(f"{'contender':48} " + " ".join(f"{name:>{width}}" for name, width in columns))
     by_size: dict[float, dict[str, float]] = {}
     for row in result["rows"]:
         gbps = row.size_gib * GiB / row.steady_median / 1e9
         share = 100 * gbps / rates["pinned_gbps"]
         done = statistics.median(row.complete_s) if row.complete_s else float("nan")
         print(
-            f"{row.contender:42} {row.size_gib:6.2f} {row.first_s:8.3f} "
+            f"{row.contender:48} {row.size_gib:6.2f} {row.first_s:8.3f} "
             f"{row.steady_median:9.3f} {done:8.2f} {gbps:7.1f} {share:7.1f}"
         )
         by_size.setdefault(round(row.size_gib, 2), {})[row.contender.split()[0]] = row.steady_median

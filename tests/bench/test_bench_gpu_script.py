@@ -1,5 +1,6 @@
-"""bench/bench_gpu.py waits for a GPU that may be lent one day: run its code on CPU tensors so it
-does not rot in between (a smoke test of the script, not a measurement)."""
+"""bench/bench_gpu.py runs only where a GPU is lent: run its code on CPU tensors so it does not
+rot in between (a smoke test of the script, not a measurement), and check that `make bench-gpu`
+installs nothing but the project into the machine's own torch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def test_bench_gpu_runs_end_to_end_on_cpu_tensors(tmp_path: Path) -> None:
     command += ["--sizes-gib", "0.02", "--reps", "1", "--dir", str(tmp_path), "--json"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
     assert done.returncode == 0, done.stderr
+    assert "round trip: 3 cpu tensors, overwritten after save returned: bit-exact" in done.stdout
     result = json.loads(done.stdout.strip().splitlines()[-1])
     contenders = {row["contender"].split()[0] for row in result["rows"]}
     assert contenders == {"ckptstore", "dcp.async_save"}
@@ -42,3 +44,22 @@ def test_bench_gpu_without_cuda_says_so_and_measures_nothing(tmp_path: Path) -> 
     assert done.returncode == 0
     assert "no CUDA device" in done.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_make_bench_gpu_refuses_a_python_without_torch(tmp_path: Path) -> None:
+    """`make bench-gpu` runs on the machine's own torch and installs none: given a Python that
+    cannot import torch it stops before installing anything, naming the fix."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    done = subprocess.run(
+        ["make", "-s", "bench-gpu", f"PYTHON={bare / 'bin' / 'python'}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "cannot import torch" in done.stdout
+    assert "PYTHON=" in done.stdout
+    assert not list(bare.glob("lib/python*/site-packages/*ckptstore*"))
