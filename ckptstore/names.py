@@ -64,10 +64,19 @@ def check_run_name(name: object) -> str:
     return name
 
 
+# The common case, an ASCII name, in one match (ASCII is its own NFKC form): segments of ASCII
+# letters, digits and the punctuation, none of them '.' or '..'. Anything else takes the full
+# check below, which gives the error.
+_ASCII_SEGMENT = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9._+=:,-]+"
+_ASCII_COMPONENT = re.compile(rf"{_ASCII_SEGMENT}(?:/{_ASCII_SEGMENT})*")
+
+
 def check_component_name(name: object) -> str:
     """``name`` if it is a valid component name; else a ConfigError naming the rule."""
     if not isinstance(name, str):
         raise ConfigError(f"component name must be a string, got {type(name).__name__}")
+    if len(name) <= MAX_NAME_LEN and _ASCII_COMPONENT.fullmatch(name):
+        return name
     if (
         not name
         or len(name) > MAX_NAME_LEN

@@ -28,7 +28,9 @@ PutData: TypeAlias = BytesLike | Sequence[BytesLike]
 TMP_PREFIX = ".tmp-"
 #: The key :meth:`ObjectStore.check_usable` asks about; no object is ever stored under it.
 USABLE_PROBE_KEY = "ckptstore-usable-probe"
-_KEY_RE = re.compile(r"^[A-Za-z0-9._\-]+(/[A-Za-z0-9._\-]+)*$")
+# One segment: letters, digits, '.', '_' and '-', but not '.', '..' or a '.tmp-' name.
+_KEY_SEGMENT = rf"(?!\.\.?(?:/|\Z))(?!{re.escape(TMP_PREFIX)})[A-Za-z0-9._\-]+"
+_KEY_RE = re.compile(rf"{_KEY_SEGMENT}(?:/{_KEY_SEGMENT})*")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +50,7 @@ def check_key(key: str) -> str:
     segments are refused, so no key can name a path outside the store's root, and so are
     segments starting with ``.tmp-`` (the local store's in-progress files).
     """
-    parts = key.split("/") if _KEY_RE.match(key) else []
-    if not parts or any(p in (".", "..") or p.startswith(TMP_PREFIX) for p in parts):
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
         raise ConfigError(
             f"invalid object key {key!r}: use '/'-separated segments of letters, digits, "
             f"'.', '_' and '-', without '.', '..' or '{TMP_PREFIX}*' segments"

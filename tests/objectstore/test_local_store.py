@@ -143,3 +143,16 @@ def test_local_store_refuses_a_file_or_a_path_through_one(tmp_path: Path, create
 def test_local_store_refuses_a_home_of_nobody(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="invalid local store path"):
         LocalStore("~no-such-user-ckpt/store", create=False)
+
+
+@pytest.mark.parametrize(
+    "key", ["cas/ab\n", "a//b", "/a", "a/", "a/../b", "..", "a/./b", f"a/{TMP_PREFIX}x", "a b"]
+)
+def test_keys_outside_the_grammar_are_refused_whole(tmp_path: Path, key: str) -> None:
+    """A key is checked as one string: a trailing newline (which a `$` anchor lets through) or
+    any bad segment is refused, and nothing is written."""
+    store = LocalStore(tmp_path / "store")
+    with pytest.raises(ConfigError, match="invalid object key"):
+        store.put(key, b"x")
+    assert store.sizes(["ok/key"]) == {"ok/key": None}
+    assert [p for p in (tmp_path / "store").rglob("*") if p.is_file()] == []
