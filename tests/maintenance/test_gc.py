@@ -31,7 +31,7 @@ from sqlalchemy import select, update
 from ckptstore.cas import Kind, blob_key, digest_from_key, put_blob
 from ckptstore.cas.writer import WriterOptions
 from ckptstore.checkpointer import RetentionPolicy, Run, open_run
-from ckptstore.errors import SaveError
+from ckptstore.errors import ObjectStoreError, SaveError
 from ckptstore.maintenance import GcBusyError, GcReport, collect_garbage, verify
 from ckptstore.maintenance.gc import LEASE_TTL, gc_lease
 from ckptstore.manifest import Database
@@ -201,6 +201,46 @@ def test_blob_only_a_deleted_checkpoint_references_is_condemned_and_swept(
         assert verify(db, store).problems == []
         # Nothing left to do.
         assert report_counts(collect_garbage(db, store, grace=NOW)) == (0, 0, 0)
+
+
+class DeletesThenFails(LocalStore):
+    """A local store whose ``delete`` removes the first half of the keys it is given, after a
+    pause (so the sweep's row deletes run while it works), then fails."""
+
+    def delete(self, keys: Any) -> None:
+        listed = list(keys)
+        time.sleep(0.05)
+        super().delete(listed[: len(listed) // 2])
+        raise ObjectStoreError("injected: the store failed halfway through a batch delete")
+
+
+def test_a_sweep_whose_object_deletes_fail_keeps_its_rows_and_the_next_gc_finishes(
+    db: Database, store: LocalStore
+) -> None:
+    """The sweep deletes a batch's objects on another thread while it deletes their rows; when
+    the store fails, the rows' deletes are rolled back (they stay condemned, their objects
+    half gone), nothing committed loses a blob, and the next GC sweeps the rest."""
+    with open_test_run(db, store, "failing-deletes", keep=1) as run:
+        first = run.save(1, state(1)).wait()
+        second = run.save(2, state(2)).wait()
+        garbage = referenced(db, first.id) - referenced(db, second.id)
+        kept = referenced(db, second.id)
+        assert len(garbage) >= 2
+
+        failing = DeletesThenFails(store.root)
+        with pytest.raises(ObjectStoreError, match="injected"):
+            collect_garbage(db, failing, grace=NOW)
+        rows, objects = blob_rows(db), cas_objects(store)
+        assert garbage <= set(rows), "the failed batch's row deletes were rolled back"
+        assert {rows[d][0] for d in garbage} == {BlobState.CONDEMNED}
+        assert kept <= set(objects), "no committed blob was touched"
+        assert 0 < len(garbage - set(objects)) < len(garbage), "half the objects went"
+        assert_same(run.load().state, state(2))
+
+        report = collect_garbage(db, store, grace=NOW)
+        assert report.swept == len(garbage)
+        assert set(blob_rows(db)) == set(cas_objects(store)) == kept
+        assert verify(db, store).problems == []
 
 
 def test_blobs_of_committed_checkpoints_are_never_touched(db: Database, store: LocalStore) -> None:

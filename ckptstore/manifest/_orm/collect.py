@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from sqlalchemy import and_, delete, exists, func, select, update
 from sqlalchemy.orm import Session
@@ -243,10 +244,18 @@ def delete_swept(
     release_corrupt: bool,
     delete_objects: DeleteObjects,
 ) -> tuple[int, int]:
-    """Re-check ``batch`` under the GC lock, delete the rows, then the objects; (count, bytes).
+    """Re-check ``batch`` under the GC lock, then delete the rows and the objects; (count,
+    bytes).
 
     The objects go while the lock is held: a commit that found no row would otherwise check
-    the object, find it, record a new row, and reference an object deleted a moment later."""
+    the object, find it, record a new row, and reference an object deleted a moment later.
+    Once the re-check has settled which blobs go, nothing can claim them until this
+    transaction ends, so the store deletes their objects on another thread while the database
+    deletes their rows (a local store's unlinks and the database's deletes each take about
+    half of a batch); both are done before the transaction commits. Should the row deletes
+    fail, the rows stay condemned and the next sweep finds their objects already gone (a
+    missing object is deleted as a no-op), as when the commit itself fails after the objects
+    went."""
     hold_gc_lock_exclusive(session)
     dialect = dialect_of(session)
     rows = _facts(session, among(BlobRow.digest, batch, dialect), BlobState.CONDEMNED)
@@ -254,14 +263,23 @@ def delete_swept(
     digests = [d for d, _ in doomed]
     if not digests:
         return 0, 0
-    # Rows of failed, deleted (or released corrupt) checkpoints still point at these blobs.
-    session.execute(
-        delete(CheckpointBlobRow).where(among(CheckpointBlobRow.digest, digests, dialect))
-    )
-    session.execute(delete(ComponentRow).where(among(ComponentRow.index_digest, digests, dialect)))
-    session.execute(delete(BlobRow).where(among(BlobRow.digest, digests, dialect)))
-    session.flush()
-    delete_objects(digests)
+    with ThreadPoolExecutor(1, thread_name_prefix="ckptstore-gc-delete") as objects:
+        # Leaving the block waits for the deletes, also when a row delete raises.
+        deleted = objects.submit(delete_objects, digests)
+        # Rows of failed, deleted (or released corrupt) checkpoints still point at these blobs.
+        # No session state to keep in step (synchronize_session=False): else each DELETE
+        # returns every deleted key to Python to look for in the session's identity map.
+        for table, column in (
+            (CheckpointBlobRow, CheckpointBlobRow.digest),
+            (ComponentRow, ComponentRow.index_digest),
+            (BlobRow, BlobRow.digest),
+        ):
+            session.execute(
+                delete(table)
+                .where(among(column, digests, dialect))
+                .execution_options(synchronize_session=False)
+            )
+        deleted.result()
     return len(digests), sum(size for _, size in doomed)
 
 
