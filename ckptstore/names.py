@@ -67,7 +67,7 @@ def check_run_name(name: object) -> str:
 # The common case, an ASCII name, in one match (ASCII is its own NFKC form): segments of ASCII
 # letters, digits and the punctuation, none of them '.' or '..'. Anything else takes the full
 # check below, which gives the error.
-_ASCII_SEGMENT = r"(?!\.\.?(?:/|\Z))[A-Za-z0-9._+=:,-]+"
+_ASCII_SEGMENT = rf"(?!\.\.?(?:/|\Z))[A-Za-z0-9{re.escape(''.join(sorted(_PUNCTUATION)))}]+"
 _ASCII_COMPONENT = re.compile(rf"{_ASCII_SEGMENT}(?:/{_ASCII_SEGMENT})*")
 
 

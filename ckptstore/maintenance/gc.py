@@ -229,11 +229,11 @@ class _Pass:
             pending.extend(d for d, _ in found)
             while len(pending) >= pace.size:  # full batches now; the rest waits for more
                 batch, pending = pending[: pace.size], pending[pace.size :]
-                yield self.act(act, pace, batch)
+                yield self.handle(act, pace, batch)
         for rest in pace.batches(pending):
-            yield self.act(act, pace, rest)
+            yield self.handle(act, pace, rest)
 
-    def act(
+    def handle(
         self, act: Callable[[Sequence[str]], tuple[int, int]], pace: Pace, batch: Sequence[str]
     ) -> tuple[int, int]:
         """``act`` on one batch under the GC lock, timed for ``pace``."""

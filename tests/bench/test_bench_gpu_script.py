@@ -62,4 +62,5 @@ def test_make_bench_gpu_refuses_a_python_without_torch(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "cannot import torch" in done.stdout
     assert "PYTHON=" in done.stdout
-    assert not list(bare.glob("lib/python*/site-packages/*ckptstore*"))
+    # It stopped before any pip command (this Python has no pip: one would have said so).
+    assert "No module named pip" not in done.stderr
