@@ -254,8 +254,16 @@ class _Pass:
 
     def sweep(self, cutoff: dt.datetime) -> None:
         report, corrupt = self.report, self.report.release_corrupt
+
+        def find(window: garbage.Window) -> list[tuple[str, int]]:
+            # A dry run reports what would go; a real sweep checks protection once, under the
+            # lock (a condemned blob is rarely protected: one a verify took out of service).
+            if report.dry_run:
+                return garbage.sweepable_in(self.db, window, cutoff, release_corrupt=corrupt)
+            return garbage.condemned_in(self.db, window, cutoff)
+
         for count, size in self.walk(
-            lambda window: garbage.sweepable_in(self.db, window, cutoff, release_corrupt=corrupt),
+            find,
             lambda batch: garbage.sweep(
                 self.db,
                 batch,

@@ -23,6 +23,7 @@ __all__ = [
     "DeleteObjects",
     "Window",
     "condemn",
+    "condemned_in",
     "delete_orphans",
     "kept_for_corrupt",
     "release_lease",
@@ -81,6 +82,15 @@ def condemn(
         lambda s: collect.condemn_rows(s, digests, cutoff, release_corrupt=release_corrupt),
         what="GC mark",
     )
+
+
+def condemned_in(db: Database, window: Window, cutoff: dt.datetime) -> list[tuple[str, int]]:
+    """(digest, stored bytes) of the blobs in ``window`` condemned before ``cutoff``, without
+    the protection check (read without a lock): a sweep's candidates, each checked under the
+    lock by :func:`sweep` -- protection too, so checking it here as well would look every
+    candidate's references up twice."""
+    with db.read() as session:
+        return collect.condemned_rows(session, *window, cutoff)
 
 
 def sweepable_in(

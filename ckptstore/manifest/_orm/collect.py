@@ -204,14 +204,21 @@ def unclaimed_rows(
     return _unprotected(session, _unclaimed(rows, cutoff), release_corrupt)
 
 
+def condemned_rows(
+    session: Session, after: str, end: str | None, cutoff: dt.datetime
+) -> list[tuple[str, int]]:
+    """(digest, stored bytes) of the blobs in the window ``(after, end]`` condemned (and
+    claimed last) before ``cutoff``, protected or not. Read without a lock: what a sweep hands
+    to :func:`delete_swept`, which checks each under it, protection included."""
+    return _condemned_before(_facts(session, _within(after, end), BlobState.CONDEMNED), cutoff)
+
+
 def sweepable_rows(
     session: Session, after: str, end: str | None, cutoff: dt.datetime, *, release_corrupt: bool
 ) -> list[tuple[str, int]]:
-    """(digest, stored bytes) of the blobs in the window ``(after, end]`` condemned before
-    ``cutoff`` and still unprotected. Read without a lock: :func:`delete_swept` checks them
-    again under it."""
-    rows = _facts(session, _within(after, end), BlobState.CONDEMNED)
-    return _unprotected(session, _condemned_before(rows, cutoff), release_corrupt)
+    """Those of :func:`condemned_rows` still unprotected: what a sweep would delete (a dry
+    run's report)."""
+    return _unprotected(session, condemned_rows(session, after, end, cutoff), release_corrupt)
 
 
 def condemn_rows(
