@@ -137,6 +137,8 @@ class BlobRow(Base):
     __table_args__ = (
         CheckConstraint(_in("state", BlobState), name="state"),
         Index("ix_blobs_state_last_claimed_at", "state", "last_claimed_at"),
+        # SQLite: rows stored in digest order, no separate key index (migration 0006).
+        {"sqlite_with_rowid": False},
     )
 
     digest: Mapped[str] = mapped_column(String(67), primary_key=True)
@@ -155,7 +157,11 @@ class CheckpointBlobRow(Base):
     """A row of ``checkpoint_blobs``: a checkpoint references a blob."""
 
     __tablename__ = "checkpoint_blobs"
-    __table_args__ = (Index("ix_checkpoint_blobs_digest", "digest"),)
+    __table_args__ = (
+        Index("ix_checkpoint_blobs_digest", "digest"),
+        # SQLite: rows stored in key order, no rowid B-tree (migration 0006).
+        {"sqlite_with_rowid": False},
+    )
 
     checkpoint_id: Mapped[int] = mapped_column(
         ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True

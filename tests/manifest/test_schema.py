@@ -50,7 +50,7 @@ from ckptstore.manifest.db import (
 from ckptstore.manifest.models import Base
 
 #: Every migration, oldest first. A new migration is appended here (and the snapshots rewritten).
-REVISIONS = ("0001", "0002", "0003", "0004", "0005")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006")
 HEAD = REVISIONS[-1]
 PREVIOUS_HEAD = REVISIONS[-2]
 FIRST = REVISIONS[0]
@@ -535,7 +535,21 @@ def dump_schema(conn: Connection) -> dict[str, Any]:
         name: [col["name"] for col in inspector.get_columns(name)]
         for name in sorted(inspector.get_view_names())
     }
-    return {"dialect": conn.dialect.name, "revision": HEAD, "tables": tables, "views": views}
+    return {
+        "dialect": conn.dialect.name,
+        "revision": HEAD,
+        "tables": tables,
+        "views": views,
+        "without_rowid": without_rowid(conn),
+    }
+
+
+def without_rowid(conn: Connection) -> list[str]:
+    """SQLite: the tables stored in their primary key's order (WITHOUT ROWID)."""
+    if conn.dialect.name != "sqlite":
+        return []
+    listed = conn.exec_driver_sql("PRAGMA main.table_list").all()
+    return sorted(name for _, name, kind, _, wr, _ in listed if kind == "table" and wr)
 
 
 def test_schema_matches_snapshot(
