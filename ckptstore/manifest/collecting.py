@@ -110,7 +110,9 @@ def sweep(
     release_corrupt: bool,
     delete_objects: DeleteObjects,
 ) -> tuple[int, int]:
-    """Sweep: re-check ``batch`` under the GC lock, delete the rows, then the objects."""
+    """Sweep: check ``batch`` under the GC lock (still condemned, past the grace, and
+    unprotected -- the only protection check a real sweep makes), then delete the rows and,
+    beside them on another thread, the objects, both before the commit."""
     return db.write(
         lambda s: collect.delete_swept(
             s, batch, cutoff, release_corrupt=release_corrupt, delete_objects=delete_objects

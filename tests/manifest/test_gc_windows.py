@@ -3,6 +3,8 @@
 - With windows of 7 rows over a manifest of ~100 blob rows, one pass condemns exactly the
   unprotected, unclaimed blobs, sweeps exactly those condemned before the grace, and deletes
   exactly the old orphan objects; a dry run counts the same without changing anything.
+- A condemned blob that a committed checkpoint still references (verify condemns a damaged one)
+  survives the sweep, whose only protection check is the one under the lock.
 - :class:`Pace` hands out every item once, in order, however the batch size changes between
   batches, and sizes batches toward its target lock time within its bounds.
 - A GC with nothing to do takes no lock that commits wait for: on PostgreSQL it finishes
