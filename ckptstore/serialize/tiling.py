@@ -15,13 +15,17 @@ at its ``2**d`` corners (``+`` at ``a``, alternating signs along each axis), and
 distinct points are linearly independent. So the chunks cover every element of the tensor
 exactly once -- no gap, no overlap, nothing outside -- if and only if their signed corner counts
 add up to the tensor's own. Empty chunks contribute nothing; axes that every chunk spans whole
-factor out of both sides.
+factor out of both sides. A tensor split along one axis alone (FSDP's row blocks, one
+tensor-parallel split) is first tried the short way -- its chunks sorted as intervals of that
+axis must meet end to start -- and only a layout that fails it is counted corner by corner,
+which also names what is wrong.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 
 from ckptstore.errors import CkptStoreError, IntegrityError
@@ -60,6 +64,8 @@ def check_tiling(shape: Sequence[int], boxes: Sequence[Box], what: str) -> None:
         _check_inside(shape, offsets, sizes, what)
     solid = [(offsets, sizes) for offsets, sizes in boxes if all(sizes)]
     axes = _split_axes(shape, solid, what)
+    if len(axes) == 1 and _intervals_tile(shape[axes[0]], solid, axes[0]):
+        return  # the usual layout (FSDP, one tensor-parallel split), proven the short way
     counts: dict[tuple[int, ...], int] = {}
     for offsets, sizes in solid:
         _add_corners(counts, axes, offsets, sizes, 1)
@@ -80,7 +86,7 @@ def _check_inside(
             f"{what}: a chunk at offset {list(offsets)} of size {list(sizes)} does not have "
             f"the tensor's {len(shape)} dimensions {WRONG_METADATA}"
         )
-    if any(o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
+    if any(map(operator.gt, map(operator.add, offsets, sizes), shape)):
         raise IntegrityError(
             f"{what}: the chunk at offset {list(offsets)} of size {list(sizes)} lies outside "
             f"the tensor's shape {list(shape)} {WRONG_METADATA}"
@@ -98,6 +104,19 @@ def _split_axes(shape: Sequence[int], solid: Sequence[Box], what: str) -> list[i
             "was marked corrupt"
         )
     return axes
+
+
+def _intervals_tile(length: int, solid: Sequence[Box], axis: int) -> bool:
+    """Whether chunks split along ``axis`` alone tile it: each spans every other axis whole,
+    so it is an interval of ``axis``, and the intervals, in order, must meet end to start from
+    0 to ``length``. False says only that this proof failed: the corner count then decides, and
+    names what is wrong (this is a faster path to the same answer, never a different one)."""
+    end = 0
+    for start, stop in sorted((o[axis], o[axis] + n[axis]) for o, n in solid):
+        if start != end:
+            return False
+        end = stop
+    return end == length
 
 
 def _add_corners(

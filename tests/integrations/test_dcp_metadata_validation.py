@@ -11,6 +11,7 @@ side is in tests/cli/test_export_validation.py.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -185,3 +186,104 @@ def test_tiling_of_a_tensor_split_along_too_many_axes_is_refused_without_blame()
     with pytest.raises(CkptStoreError, match=f"split along {axes} axes") as caught:
         check_tiling((2,) * axes, boxes, "tensor 'x'")
     assert not isinstance(caught.value, IntegrityError)  # not proof of damage
+
+
+def _covers_exactly(shape: tuple[int, ...], boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """The oracle: every element of ``shape`` lies in exactly one box, and no box leaves it
+    (counted element by element -- only for small shapes)."""
+    counts = torch.zeros(shape, dtype=torch.int64)
+    for offsets, sizes in boxes:
+        if any(o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
+            return False
+        counts[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))] += 1
+    return bool((counts == 1).all())
+
+
+def test_the_one_axis_short_way_agrees_with_counting_every_element() -> None:
+    # Row blocks (the FSDP layout check_tiling proves by sorting intervals) and column blocks,
+    # whole and then spoiled one way each: a gap, an overlap, a stray, a duplicate, a chunk
+    # shrunk, grown or moved, empties, shuffled order. The verdict must be the oracle's.
+    import random
+
+    picks = random.Random(25)
+    verdicts = {True: 0, False: 0}
+    for _ in range(600):
+        shape = (picks.randint(1, 9), picks.randint(1, 9))
+        axis = picks.randint(0, 1)
+        cuts = sorted({0, shape[axis], *(picks.randint(0, shape[axis]) for _ in range(3))})
+        boxes: list[tuple[list[int], list[int]]] = []
+        for start, stop in itertools.pairwise(cuts):
+            offsets, sizes = [0, 0], list(shape)
+            offsets[axis], sizes[axis] = start, stop - start
+            boxes.append((offsets, sizes))
+        spoil = picks.choice(["none", "drop", "dup", "grow", "shrink", "move", "empty", "stray"])
+        victim = picks.randrange(len(boxes))
+        offsets, sizes = boxes[victim]
+        if spoil == "drop":
+            del boxes[victim]
+        elif spoil == "dup":
+            boxes.append((list(offsets), list(sizes)))
+        elif spoil in ("grow", "shrink"):
+            sizes[axis] = max(0, sizes[axis] + (1 if spoil == "grow" else -1))
+        elif spoil == "move":
+            offsets[axis] = max(0, offsets[axis] + picks.choice([-1, 1]))
+        elif spoil == "empty":
+            boxes.append(([picks.randint(0, shape[0]), 0], [0, shape[1]]))
+        elif spoil == "stray":
+            boxes.append(([shape[0], 0], [1, shape[1]]))
+        picks.shuffle(boxes)
+        expected = _covers_exactly(shape, boxes)
+        try:
+            check_tiling(shape, boxes, "tensor 'x'")
+            verdict = True
+        except IntegrityError:
+            verdict = False
+        assert verdict == expected, (shape, boxes)
+        verdicts[verdict] += 1
+    assert min(verdicts.values()) > 100  # both answers were asked for often
+
+
+def test_the_fast_row_checks_accept_exactly_what_the_field_checks_accept() -> None:
+    # Each well-formed chunk or location row is checked in a few C-level steps; anything the
+    # short way does not accept goes through the field-by-field validators. The two must never
+    # disagree: the short way accepts only values those accept, and equal.
+    from ckptstore.integrations.dcp import _metadata as md
+
+    odd: list[object] = [0, 1, 7, -1, True, False, 1.0, "1", None, [], [1], {}, 2**70]
+    rows_of_two = [[a, b] for a in ([0, 4], [1, -1], [True, 0], [], "ab", [2.0], None) for b in odd]
+    for chunk in [*rows_of_two, [[0], [1], [2]], "xy", {"o": 1, "s": 2}, None, [[0, 1]]]:
+        try:
+            offsets, sizes = chunk  # type: ignore[misc]
+            slow: object = (md._ints(offsets), md._ints(sizes))
+        except (TypeError, ValueError) as exc:
+            slow = type(exc)
+        try:
+            fast: object = md._box(chunk)
+        except (TypeError, ValueError) as exc:
+            fast = type(exc)
+        assert fast == slow, chunk
+    for row in [
+        ["w", [0, 4], 1, 2],
+        ["w", None, 0, 0],
+        ["w", [0, 4], -1, 2],
+        ["w", [0, 4], 1, True],
+        ["w", [0, -4], 1, 2],
+        ["w", [0, 4.0], 1, 2],
+        [7, [0, 4], 1, 2],
+        ["w", "04", 1, 2],
+        ["w", [0, 4], 1],
+        ["w", [0, 4], 1.5, 2],
+    ]:
+        try:
+            fqn, offset, rank, position = row
+            index = md.MetadataIndex(
+                md._str(fqn), None if offset is None else torch.Size(md._ints(offset))
+            )
+            slow = (index, md.Location(md._int(rank), md._int(position)))
+        except (TypeError, ValueError) as exc:
+            slow = type(exc)
+        try:
+            fast = md._location(row)
+        except (TypeError, ValueError) as exc:
+            fast = type(exc)
+        assert fast == slow, row
