@@ -11,7 +11,8 @@ reachable) PostgreSQL where the manifest is involved:
    cost is the slope from the previous size: what one more receipt costs. Goal: <= 0.2 s at
    1,024 on PostgreSQL and <= 0.1 ms per receipt.
 2. ``dcp-metadata``: the DCP integration's metadata document for a state of C chunks (10^3 ...
-   10^6), its encoded size per chunk and its parse time. Goal: no single document every rank
+   10^6), its encoded size per chunk and its parse time, beside DCP's own pickled ``Metadata``
+   of the same state and its unpickling time (the peer). Goal: no single document every rank
    must read grows past ~100 B per chunk.
 3. ``lookup``: ``latest()`` and a load's planning (the newest checkpoint and its components)
    with 100,000 checkpoints in the run and 1,000,000 blob rows in the manifest.
@@ -205,13 +206,19 @@ def dcp_metadata(chunks: int, ranks: int) -> tuple[Any, dict[Any, Any]]:
 
 
 def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
-    """Encoded size per chunk and encode/parse seconds of the metadata document."""
+    """Encoded size per chunk and encode/parse seconds of the metadata document, beside the
+    peer: torch DCP's own ``.metadata`` file, the same ``Metadata`` pickled (what
+    ``FileSystemWriter`` writes and every rank unpickles at load; unpickled here only because
+    this process just pickled it)."""
+    import pickle
+
     from ckptstore.integrations.dcp._metadata import decode_metadata, encode_metadata
 
     rows = []
     for chunks in sizes:
         ranks = min(1024, chunks)
         metadata, locations = dcp_metadata(chunks, ranks)
+        real = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
         digests = {r: "b3:" + f"{r:064x}" for r in range(ranks)}
         started = time.perf_counter()
         text = encode_metadata(metadata, locations, digests)
@@ -219,7 +226,13 @@ def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
         started = time.perf_counter()
         decode_metadata(text, "bench")
         parsed = time.perf_counter() - started
-        real = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
+        metadata.storage_data = locations  # as DCP stores it: the items' places in its files
+        pickled = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        del metadata, locations
+        gc.collect()
+        started = time.perf_counter()
+        pickle.loads(pickled)  # bytes this process made a line above, never read from storage
+        unpickled = time.perf_counter() - started
         row = {
             "section": "dcp-metadata",
             "size": real,
@@ -228,10 +241,14 @@ def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
             "encode_seconds": encoded,
             "seconds": parsed,
             "per_item_ms": parsed / real * 1000,
+            "peer_bytes": len(pickled),
+            "peer_seconds": unpickled,
         }
         print(
             f"  DCP metadata, {real:,} chunks: {len(text) / 1e6:.1f} MB "
-            f"({row['bytes_per_chunk']:.0f} B/chunk), encode {encoded:.2f} s, parse {parsed:.2f} s",
+            f"({row['bytes_per_chunk']:.0f} B/chunk), encode {encoded:.2f} s, parse {parsed:.2f} s"
+            f"; DCP's pickle {len(pickled) / 1e6:.1f} MB, unpickled in {unpickled:.2f} s "
+            f"({parsed / unpickled:.2f}x)",
             flush=True,
         )
         rows.append(row)
