@@ -11,7 +11,8 @@ reachable) PostgreSQL where the manifest is involved:
    cost is the slope from the previous size: what one more receipt costs. Goal: <= 0.2 s at
    1,024 on PostgreSQL and <= 0.1 ms per receipt.
 2. ``dcp-metadata``: the DCP integration's metadata document for a state of C chunks (10^3 ...
-   10^6), its encoded size per chunk and its parse time, beside DCP's own pickled ``Metadata``
+   10^6), its encoded size per chunk, its parse time and the check of its locations every load
+   makes next (one place per chunk and value), beside DCP's own pickled ``Metadata``
    of the same state and its unpickling time (the peer). Goal: no single document every rank
    must read grows past ~100 B per chunk.
 3. ``lookup``: ``latest()`` and a load's planning (the newest checkpoint and its components)
@@ -213,6 +214,7 @@ def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
     import pickle
 
     from ckptstore.integrations.dcp._metadata import decode_metadata, encode_metadata
+    from ckptstore.integrations.dcp._validate import expected_items
 
     rows = []
     for chunks in sizes:
@@ -224,8 +226,12 @@ def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
         text = encode_metadata(metadata, locations, digests)
         encoded = time.perf_counter() - started
         started = time.perf_counter()
-        decode_metadata(text, "bench")
+        stored = decode_metadata(text, "bench")
         parsed = time.perf_counter() - started
+        started = time.perf_counter()
+        expected_items(stored, "bench")  # what every load checks next: one place per item
+        checked = time.perf_counter() - started
+        del stored
         metadata.storage_data = locations  # as DCP stores it: the items' places in its files
         pickled = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
         del metadata, locations
@@ -241,13 +247,15 @@ def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
             "encode_seconds": encoded,
             "seconds": parsed,
             "per_item_ms": parsed / real * 1000,
+            "check_seconds": checked,
             "peer_bytes": len(pickled),
             "peer_seconds": unpickled,
         }
         print(
             f"  DCP metadata, {real:,} chunks: {len(text) / 1e6:.1f} MB "
-            f"({row['bytes_per_chunk']:.0f} B/chunk), encode {encoded:.2f} s, parse {parsed:.2f} s"
-            f"; DCP's pickle {len(pickled) / 1e6:.1f} MB, unpickled in {unpickled:.2f} s "
+            f"({row['bytes_per_chunk']:.0f} B/chunk), encode {encoded:.2f} s, "
+            f"parse {parsed:.2f} s, locations checked {checked:.2f} s; DCP's pickle "
+            f"{len(pickled) / 1e6:.1f} MB, unpickled in {unpickled:.2f} s "
             f"({parsed / unpickled:.2f}x)",
             flush=True,
         )

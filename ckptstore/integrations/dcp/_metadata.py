@@ -81,7 +81,7 @@ def encode_metadata(
     metadata: Metadata, locations: dict[MetadataIndex, Location], rank_indexes: dict[int, str]
 ) -> str:
     """The JSON document for ``metadata`` with the items' ``locations``."""
-    with _collector_paused():
+    with collector_paused():
         return _encode(metadata, locations, rank_indexes)
 
 
@@ -128,13 +128,13 @@ def _encode(
 
 
 def decode_metadata(text: str, where: str) -> StoredMetadata:
-    """See :func:`_decode` (with the cyclic garbage collector paused: :func:`_collector_paused`)."""
-    with _collector_paused():
+    """See :func:`_decode` (with the cyclic garbage collector paused: :func:`collector_paused`)."""
+    with collector_paused():
         return _decode(text, where)
 
 
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector paused while a document is built or parsed: it becomes
     a few objects per chunk and none of them form cycles, but every 700 allocations wake the
     collector, which walks everything still young. With it running, parsing took 10x longer
