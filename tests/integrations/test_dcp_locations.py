@@ -133,3 +133,42 @@ def test_an_inconsistent_document_is_refused_and_named_the_long_way(how: str) ->
         expected_items(doc, "here")
     assert needle in str(caught.value), caught.value
     assert str(caught.value).startswith("here: ")
+
+
+def test_a_decoded_documents_locations_behave_as_a_read_only_mapping_of_metadata_indexes() -> None:
+    # Decoded, the locations are kept by plain tuple keys (no MetadataIndex per chunk) but
+    # answer as DCP's storage_data does: looked up, iterated, compared by MetadataIndex.
+    from ckptstore.integrations.dcp._metadata import (
+        Locations,
+        decode_metadata,
+        encode_metadata,
+    )
+
+    state, locations = document()
+    text = encode_metadata(
+        Metadata(state_dict_metadata=state),  # type: ignore[arg-type]
+        locations,
+        {0: DIGEST, 1: DIGEST},
+    )
+    decoded = decode_metadata(text, "here").metadata.storage_data
+    assert isinstance(decoded, Locations)
+    assert decoded == locations
+    assert len(decoded) == len(locations)
+    assert list(decoded) == list(locations)  # the document's order, as MetadataIndex
+    assert decoded[MetadataIndex("w", torch.Size([4, 0]))] == Location(1, 0)
+    assert decoded[MetadataIndex("w", [4, 0])] == Location(1, 0)
+    assert decoded[MetadataIndex("step")] == Location(0, 2)
+    assert decoded.get(MetadataIndex("w", [2, 0])) is None
+    assert decoded.get(MetadataIndex("step", [0])) is None  # a value has no offset
+    assert decoded.get(("w", (4, 0))) is None  # type: ignore[call-overload]  # not an index
+    assert MetadataIndex("b", [3, 0]) in decoded
+    with pytest.raises(KeyError):
+        decoded[MetadataIndex("nothing")]
+    assert (
+        encode_metadata(
+            Metadata(state_dict_metadata=state),  # type: ignore[arg-type]
+            decoded,
+            {0: DIGEST, 1: DIGEST},
+        )
+        == text
+    )

@@ -276,10 +276,8 @@ def test_the_fast_row_checks_accept_exactly_what_the_field_checks_accept() -> No
     ]:
         try:
             fqn, offset, rank, position = row
-            index = md.MetadataIndex(
-                md._str(fqn), None if offset is None else torch.Size(md._ints(offset))
-            )
-            slow = (index, md.Location(md._int(rank), md._int(position)))
+            key = (md._str(fqn), None if offset is None else tuple(md._ints(offset)))
+            slow = (key, md.Location(md._int(rank), md._int(position)))
         except (TypeError, ValueError) as exc:
             slow = type(exc)
         try:

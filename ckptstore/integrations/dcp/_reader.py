@@ -44,6 +44,7 @@ from ckptstore.integrations.dcp._metadata import (
     METADATA_COMPONENT,
     METADATA_FORMAT,
     Location,
+    Locations,
     StoredMetadata,
     decode_metadata,
     rank_component,
@@ -184,7 +185,7 @@ class CkptStoreReader(StorageReader):
         self, metadata: Metadata, is_coordinator: bool, *a: Any, **k: Any
     ) -> None:
         """Check the metadata came from this reader (its storage data says where items are)."""
-        if not isinstance(metadata.storage_data, dict):
+        if not isinstance(metadata.storage_data, Locations):
             raise ConfigError("CkptStoreReader can only load metadata it read itself")
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

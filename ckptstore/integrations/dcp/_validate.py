@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from ckptstore.errors import IntegrityError
 from ckptstore.floor import WRONG_METADATA, ComponentReader, Entry, torch_dtype
 from ckptstore.integrations.dcp._metadata import (
+    Locations,
     StoredMetadata,
     collector_paused,
     rank_component,
@@ -62,10 +63,15 @@ def expected_items(stored: StoredMetadata, where: str) -> dict[int, dict[int, Ex
 def _matched(stored: StoredMetadata) -> dict[int, dict[int, Expected]] | None:
     """:func:`_checked`'s answer for metadata that passes every check, else None."""
     metadata = stored.metadata
-    placed = {
-        (index.fqn, None if index.offset is None else tuple(index.offset)): location
-        for index, location in metadata.storage_data.items()
-    }
+    locations = metadata.storage_data
+    placed = (
+        locations.by_key
+        if isinstance(locations, Locations)
+        else {
+            (index.fqn, None if index.offset is None else tuple(index.offset)): location
+            for index, location in locations.items()
+        }
+    )
     ranks = stored.rank_indexes
     by_rank: dict[int, dict[int, Expected]] = {}
     matched = 0
