@@ -7,7 +7,9 @@ chunks must tile it exactly (:mod:`ckptstore.serialize.tiling`) before torch see
 
 The document also says where each written item lives: the rank whose component holds it and
 its position in that component's item list, and each rank component's index digest -- so a
-worker with nothing but object-store access can load from the metadata's digest alone.
+worker with nothing but object-store access can load from the metadata's digest alone. Decoded,
+those locations are DCP's ``storage_data``: a read-only mapping (:class:`Locations`) kept by
+plain tuple keys, since a document of 10^6 chunks is parsed by every rank of a job.
 """
 
 from __future__ import annotations
