@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
 from ckptstore.floor import WRONG_METADATA, check_shape, check_tiling, torch_dtype, torch_dtype_name
+from ckptstore.integrations._common.documents import collector_paused, naturals
 from ckptstore.integrations._common.names import MEGATRON_META
 
 #: The component of rank ``r`` is ``SHARD_PREFIX + str(r)``.
@@ -87,9 +89,12 @@ class Layout:
     def from_json(text: object, where: str) -> Layout:
         """Parse and validate layout JSON read from storage; IntegrityError if malformed."""
         try:
-            doc = json.loads(text) if isinstance(text, str) else None
-            tensors = tuple(_tensor_shard(row, where) for row in doc["tensors"])  # type: ignore[index]
-            objects = tuple(_object_shard(row) for row in doc["objects"])  # type: ignore[index]
+            with collector_paused():  # 10^6 shards in a large job, no cycle among them
+                doc = json.loads(text) if isinstance(text, str) else None
+                shapes: set[tuple[tuple[int, ...], str]] = set()
+                rows = doc["tensors"]  # type: ignore[index]
+                tensors = tuple(_tensor_shard(row, where, shapes) for row in rows)
+                objects = tuple(_object_shard(row) for row in doc["objects"])  # type: ignore[index]
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise IntegrityError(f"{where}: malformed Megatron layout ({exc})") from None
         except RecursionError:
@@ -114,6 +119,10 @@ class Layout:
         """Sharding integrity, before anything is read: each tensor's shards agree on its
         shape and dtype and tile it exactly; each object is stored once, inside its grid;
         every shard lies in one of ``components``. ``IntegrityError`` names the key."""
+        with collector_paused():  # a list per key and a tuple per shard, no cycle among them
+            self._check(components, where)
+
+    def _check(self, components: Iterable[str], where: str) -> None:
         names = set(components)
         for key, shards in self.by_key().items():
             what = f"{where}: tensor {key!r}"
@@ -161,7 +170,34 @@ def _text(value: object) -> str:
     return value
 
 
-def _tensor_shard(row: Any, where: str) -> TensorShard:
+def _tensor_shard(row: Any, where: str, shapes: set[tuple[tuple[int, ...], str]]) -> TensorShard:
+    """One ``[key, component, path, dtype, global shape, offset, shape]`` row. A well-formed
+    row whose global shape and dtype an earlier row already proved possible is checked in a few
+    C-level steps; any other goes through :func:`_checked_shard`, which names a fault."""
+    if type(row) is list and len(row) == 7:
+        key, component, path, dtype, global_shape, offset, shape = row
+        if (
+            type(key) is str
+            and type(component) is str
+            and type(path) is str
+            and type(dtype) is str
+            and type(global_shape) is list
+            and type(offset) is list
+            and type(shape) is list
+            and len(global_shape) == len(offset) == len(shape)
+            and naturals(global_shape + offset + shape)
+            and not any(map(operator.gt, map(operator.add, offset, shape), global_shape))
+            and (tuple(global_shape), dtype) in shapes
+        ):
+            return TensorShard(
+                key, component, path, dtype, tuple(global_shape), tuple(offset), tuple(shape)
+            )
+    shard = _checked_shard(row, where)
+    shapes.add((shard.global_shape, shard.dtype))
+    return shard
+
+
+def _checked_shard(row: Any, where: str) -> TensorShard:
     key, component, path, dtype = (_text(v) for v in row[:4])
     shard = TensorShard(key, component, path, dtype, *(_dims(v) for v in row[4:7]))
     if len(row) != 7 or not (len(shard.global_shape) == len(shard.offset) == len(shard.shape)):

@@ -14,8 +14,6 @@ plain tuple keys, since a document of 10^6 chunks is parsed by every rank of a j
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -47,6 +45,7 @@ from ckptstore.floor import (
     torch_dtype,
     torch_dtype_name,
 )
+from ckptstore.integrations._common.documents import collector_paused, naturals
 from ckptstore.integrations._common.names import DCP_METADATA
 
 FORMAT = "ckptstore/dcp-metadata"
@@ -168,21 +167,6 @@ def decode_metadata(text: str, where: str) -> StoredMetadata:
         return _decode(text, where)
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector paused while a document is built or parsed: it becomes
-    a few objects per chunk and none of them form cycles, but every 700 allocations wake the
-    collector, which walks everything still young. With it running, parsing took 10x longer
-    at 20,000 chunks (``bench/bench_scale.py``)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _decode(text: str, where: str) -> StoredMetadata:
     """Parse and validate a metadata document: ``MalformedMetadataError`` (an IntegrityError
     and a SerializationError) names what is malformed, ``IntegrityError`` a tensor whose
@@ -276,7 +260,7 @@ def _box(chunk: Any) -> tuple[list[int], list[int]]:
     """A chunk's ``[offsets, sizes]``, both lists of non-negative integers."""
     if type(chunk) is list and len(chunk) == 2:
         offsets, sizes = chunk
-        if type(offsets) is list and type(sizes) is list and _naturals(offsets + sizes):
+        if type(offsets) is list and type(sizes) is list and naturals(offsets + sizes):
             return offsets, sizes
     offsets, sizes = chunk
     return _ints(offsets), _ints(sizes)
@@ -288,7 +272,7 @@ def _location(row: Any) -> tuple[Key, Location]:
         fqn, offset, rank, position = row
         if (
             type(fqn) is str
-            and (offset is None or (type(offset) is list and _naturals(offset)))
+            and (offset is None or (type(offset) is list and naturals(offset)))
             and type(rank) is int
             and type(position) is int
             and rank >= 0
@@ -298,14 +282,6 @@ def _location(row: Any) -> tuple[Key, Location]:
     fqn, offset, rank, position = row
     key = (_str(fqn), None if offset is None else tuple(_ints(offset)))
     return key, Location(_int(rank), _int(position))
-
-
-def _naturals(values: list[Any]) -> bool:
-    """Whether every value is a non-negative ``int`` (JSON's integers; not a bool)."""
-    return set(map(type, values)) <= _INT_ONLY and (not values or min(values) >= 0)
-
-
-_INT_ONLY = frozenset({int})
 
 
 def _memory_format_name(memory_format: torch.memory_format, fqn: str) -> str:

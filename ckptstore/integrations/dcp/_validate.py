@@ -22,12 +22,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 
 from ckptstore.errors import IntegrityError
 from ckptstore.floor import WRONG_METADATA, ComponentReader, Entry, torch_dtype
-from ckptstore.integrations.dcp._metadata import (
-    Locations,
-    StoredMetadata,
-    collector_paused,
-    rank_component,
-)
+from ckptstore.integrations._common.documents import collector_paused
+from ckptstore.integrations.dcp._metadata import Locations, StoredMetadata, rank_component
 
 
 @dataclass(frozen=True, slots=True)
