@@ -15,6 +15,8 @@ reachable) PostgreSQL where the manifest is involved:
    makes next (one place per chunk and value), beside DCP's own pickled ``Metadata``
    of the same state and its unpickling time (the peer). Goal: no single document every rank
    must read grows past ~100 B per chunk.
+   ``megatron-layout``: the Megatron integration's layout of S shards (10^3 ... 10^6), which
+   every rank parses and checks (each tensor's shards tile it) before a load reads anything.
 3. ``lookup``: ``latest()`` and a load's planning (the newest checkpoint and its components)
    with 100,000 checkpoints in the run and 1,000,000 blob rows in the manifest.
 4. ``gc``: a mark-and-sweep ``collect_garbage`` over 10^4, 10^5 (10^6 with ``--full``) blob
@@ -260,6 +262,60 @@ def bench_dcp_metadata(sizes: list[int]) -> list[Row]:
             flush=True,
         )
         rows.append(row)
+    return rows
+
+
+def bench_megatron_layout(sizes: list[int]) -> list[Row]:
+    """The Megatron integration's layout (every stored shard, read and checked by every rank
+    at load) for S shards: tensors of 64 row-blocks each (tensor-parallel ranks), its size per
+    shard, its parse and its sharding-integrity check."""
+    from ckptstore.integrations._common.megatron_layout import Layout, TensorShard
+
+    rows = []
+    ranks = 64
+    for shards in sizes:
+        layout = Layout(
+            tuple(
+                TensorShard(
+                    f"decoder.layers.{t}.mlp.linear_fc1.weight",
+                    f"megatron/rank{r}",
+                    f"t{t}",
+                    "bfloat16",
+                    (16 * ranks, 4096),
+                    (16 * r, 0),
+                    (16, 4096),
+                )
+                for t in range(max(1, shards // ranks))
+                for r in range(ranks)
+            )
+        )
+        text = layout.to_json()
+        count = len(layout.tensors)
+        del layout
+        gc.collect()
+        started = time.perf_counter()
+        parsed = Layout.from_json(text, "bench")
+        parse = time.perf_counter() - started
+        started = time.perf_counter()
+        parsed.check([f"megatron/rank{r}" for r in range(ranks)], "bench")
+        checked = time.perf_counter() - started
+        del parsed
+        rows.append(
+            {
+                "section": "megatron-layout",
+                "size": count,
+                "bytes": len(text),
+                "seconds": parse + checked,
+                "per_item_ms": (parse + checked) / count * 1000,
+                "parse_seconds": parse,
+                "check_seconds": checked,
+            }
+        )
+        print(
+            f"  Megatron layout, {count:,} shards: {len(text) / 1e6:.1f} MB "
+            f"({len(text) / count:.0f} B/shard), parse {parse:.2f} s, check {checked:.2f} s",
+            flush=True,
+        )
     return rows
 
 
@@ -662,7 +718,9 @@ def gc_section(args: argparse.Namespace, wanted: set[str], scratch: Path) -> lis
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--only", nargs="+", choices=["commit", "dcp-metadata", "lookup", "gc", "gc-history"]
+        "--only",
+        nargs="+",
+        choices=["commit", "dcp-metadata", "megatron-layout", "lookup", "gc", "gc-history"],
     )
     parser.add_argument("--full", action="store_true", help="the largest sizes too")
     parser.add_argument("--pg", default=DEFAULT_PG, help="PostgreSQL server URL; '' to skip")
@@ -672,7 +730,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--json", type=Path, help="write every row here")
     args = parser.parse_args(argv)
-    everything = ["commit", "dcp-metadata", "lookup", "gc"] + (["gc-history"] if args.full else [])
+    everything = ["commit", "dcp-metadata", "megatron-layout", "lookup", "gc"] + (
+        ["gc-history"] if args.full else []
+    )
     wanted = set(args.only or everything)
     args.dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="scale-", dir=args.dir))
@@ -689,6 +749,11 @@ def main(argv: list[str] | None = None) -> int:
                 meta_rows = bench_dcp_metadata(sizes)
                 print_rows("DCP metadata document: parse time per chunk", meta_rows, "chunks")
                 rows += meta_rows
+            if "megatron-layout" in wanted:
+                sizes = [1_000, 10_000, 100_000] + ([1_000_000] if args.full else [])
+                layout_rows = bench_megatron_layout(sizes)
+                print_rows("Megatron layout: parse + check per shard", layout_rows, "shards")
+                rows += layout_rows
             if "lookup" in wanted:
                 count, blobs = (100_000, 1_000_000) if args.full else (100_000, 200_000)
                 lookup_rows = [
