@@ -96,9 +96,9 @@ bench-gpu:
 bench-export: $(VENV)/.installed-dev
 	$(PY) bench/bench_export.py $(BENCH_ARGS)
 
-## bench-scale: cost curves (commit of R rank receipts, DCP metadata size, lookups at 100k
-## checkpoints, GC at 10^4-10^6 blob rows) on SQLite and PostgreSQL; BENCH_ARGS=--full for the
-## largest sizes
+## bench-scale: cost curves (commit of R rank receipts, DCP metadata and Megatron layout parse,
+## lookups at 100k checkpoints, GC at 10^4-10^6 blob rows) on SQLite and PostgreSQL;
+## BENCH_ARGS=--full for the largest sizes
 bench-scale: $(VENV)/.installed-dev
 	$(PY) bench/bench_scale.py $(BENCH_ARGS)
 
