@@ -84,11 +84,17 @@ class Locations(Mapping[MetadataIndex, Location]):
     def __init__(self, by_key: dict[Key, Location]) -> None:
         self.by_key = by_key
 
+    @classmethod
+    def keyed(cls, locations: Mapping[MetadataIndex, Location]) -> Locations:
+        """``locations`` as a :class:`Locations` (itself if it is one)."""
+        if isinstance(locations, Locations):
+            return locations
+        return cls({location_key(index): place for index, place in locations.items()})
+
     def __getitem__(self, index: MetadataIndex) -> Location:
         if not isinstance(index, MetadataIndex):
             raise KeyError(index)
-        offset = index.offset
-        return self.by_key[(index.fqn, None if offset is None else tuple(offset))]
+        return self.by_key[location_key(index)]
 
     def __iter__(self) -> Iterator[MetadataIndex]:
         for fqn, offset in self.by_key:
@@ -99,6 +105,11 @@ class Locations(Mapping[MetadataIndex, Location]):
 
     def __repr__(self) -> str:
         return f"Locations({len(self.by_key)} items)"
+
+
+def location_key(index: MetadataIndex) -> Key:
+    """The plain tuple key :class:`Locations` keeps for ``index``."""
+    return (index.fqn, None if index.offset is None else tuple(index.offset))
 
 
 @dataclass(frozen=True, slots=True)

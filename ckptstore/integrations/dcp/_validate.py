@@ -59,15 +59,7 @@ def expected_items(stored: StoredMetadata, where: str) -> dict[int, dict[int, Ex
 def _matched(stored: StoredMetadata) -> dict[int, dict[int, Expected]] | None:
     """:func:`_checked`'s answer for metadata that passes every check, else None."""
     metadata = stored.metadata
-    locations = metadata.storage_data
-    placed = (
-        locations.by_key
-        if isinstance(locations, Locations)
-        else {
-            (index.fqn, None if index.offset is None else tuple(index.offset)): location
-            for index, location in locations.items()
-        }
-    )
+    placed = Locations.keyed(metadata.storage_data).by_key
     ranks = stored.rank_indexes
     by_rank: dict[int, dict[int, Expected]] = {}
     matched = 0
