@@ -34,7 +34,7 @@ from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo, ComponentInfo
 from ckptstore.names import check_step
 from ckptstore.objectstore import ObjectStore
-from ckptstore.serialize.reader import ComponentReader
+from ckptstore.serialize.reader import ComponentReader, PlannedLoad, load_components
 
 log = logging.getLogger("ckptstore.checkpointer")
 
@@ -146,7 +146,7 @@ def load_state(
             )
     # The manifest's record of each index's length bounds what a read may allocate.
     sizes = reads.index_lengths(reader.db, [c.index_digest for c in comps])
-    state: dict[str, Any] = {}
+    plans: dict[str, PlannedLoad] = {}
     for comp in comps:
         if wanted is not None and comp.name not in wanted:
             continue
@@ -157,10 +157,11 @@ def load_state(
         )
         target = (into or {}).get(comp.name)
         if paths is not None and comp.name in paths:
-            state[comp.name] = component.load_paths(paths[comp.name], into=target)
+            plans[comp.name] = component.plan(paths[comp.name], into=target)
         elif paths is None or wanted is not None:
-            state[comp.name] = component.load(into=target)
-    return state
+            plans[comp.name] = component.plan(into=target)
+    # Every component's blobs as one load: no pause between one component and the next.
+    return dict(zip(plans, load_components(reader.store, list(plans.values())), strict=True))
 
 
 def check_store_holds(reader: Reader, info: CheckpointInfo, exc: MissingBlobError) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +193,106 @@ def _blob_bounds(index: ComponentIndex, digests: Iterable[str]) -> dict[str, int
     return {digest: max_blob_len(found) for digest, found in targets.items()}
 
 
+class EntryLoad:
+    """The planned load of some entries of one component: which blobs hold them, where each
+    blob's bytes go (``into``'s tensors or new buffers), and their values once every blob is
+    in. Plan several (one per component) and :func:`fetch_all` runs them as one load.
+
+    ``into`` maps entry paths to existing tensors of the stored dtype and shape (see
+    :func:`load_entries`); one that does not match is a ``ConfigError`` here, before anything
+    is read."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        index: ComponentIndex,
+        entries: Iterable[int],
+        *,
+        context: str = "",
+        into: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.store, self.context = store, context
+        self.wanted = sorted(set(entries))
+        self.chosen = [index.entries[i] for i in self.wanted]
+        self.where = f"component {context}" if context else "component"
+        self.assembler = _Assembler(self.chosen, _targets(self.chosen, into, self.where))
+        self.by_blob: dict[str, list[_Target]] = {}
+        for n, entry in enumerate(self.chosen):
+            dest = 0
+            for seg in entry.segments:
+                self.by_blob.setdefault(seg.digest, []).append(
+                    _Target(n, seg.offset, seg.length, dest)
+                )
+                dest += seg.length
+        self.bounds = _blob_bounds(index, self.by_blob)
+
+    def fetch(self, digest: str) -> None:
+        """Read and verify one blob of the plan into its entries' buffers (any thread)."""
+        targets = self.by_blob[digest]
+        paths = ", ".join(sorted({self.chosen[t.entry].path for t in targets})[:3])
+        blob_context = with_context(self.context, f"entry {paths}")
+        bound = self.bounds[digest]
+        header = read_into(
+            self.store,
+            digest,
+            [(t.offset, t.length) for t in targets],
+            lambda i: self.assembler.destination(targets[i], blob_context),
+            context=blob_context,
+            max_raw_len=bound,
+        )
+        if header is None:
+            header, raw = get_blob(self.store, digest, context=blob_context, max_raw_len=bound)
+            self.assembler.place(digest, raw, targets, blob_context)
+        if header.kind is Kind.INDEX:
+            raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
+
+    def results(self) -> dict[int, Any]:
+        """Position (in the index) -> value, once :func:`fetch_all` has fetched every blob."""
+        return {
+            i: _result(self.assembler, n, entry, self.where)
+            for n, (i, entry) in enumerate(zip(self.wanted, self.chosen, strict=True))
+        }
+
+
+def fetch_all(store: ObjectStore, loads: Sequence[EntryLoad], *, max_workers: int = 0) -> None:
+    """Fetch every blob of ``loads`` on one pool of ``max_workers`` threads (default: the
+    store's read concurrency), the store reading ahead of the workers over all of them in
+    order: the components of a checkpoint load as one stream, with no pause between one
+    component's last blobs and the next one's first (a pool per component left a thread idle
+    while its last blob finished and the disk idle until the next read-ahead began). The
+    first error, in the order of the blobs, is raised once every started fetch has ended;
+    the blobs not started by then are not read."""
+    jobs = [(load, digest, blob_key(digest)) for load in loads for digest in load.by_blob]
+    if not jobs:
+        return
+    workers = max_workers or store.read_concurrency
+    # The store reads the next blobs while the workers verify theirs (see readahead); a blob
+    # two components share is read ahead once.
+    ahead = (
+        ReadAhead(store, list(dict.fromkeys(key for _, _, key in jobs)))
+        if isinstance(store, Prefetching)
+        else None
+    )
+
+    def take(load: EntryLoad, digest: str, key: str) -> None:
+        if ahead is not None:
+            ahead.taken(key)
+        load.fetch(digest)
+
+    with (
+        ahead or contextlib.nullcontext(),
+        ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool,
+    ):
+        futures = [pool.submit(take, *job) for job in jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:  # the blobs not started yet are not read for nothing
+                future.cancel()
+            raise
+
+
 def load_entries(
     store: ObjectStore,
     index: ComponentIndex,
@@ -208,57 +308,9 @@ def load_entries(
     are loaded into them (a dense CPU tensor is written in place as its blobs arrive, any
     other is copied into at the end) and their values are those same tensors. If this raises,
     such tensors may hold unverified bytes."""
-    wanted = sorted(set(entries))
-    chosen = [index.entries[i] for i in wanted]
-    where = f"component {context}" if context else "component"
-    assembler = _Assembler(chosen, _targets(chosen, into, where))
-    by_blob: dict[str, list[_Target]] = {}
-    for n, entry in enumerate(chosen):
-        dest = 0
-        for seg in entry.segments:
-            by_blob.setdefault(seg.digest, []).append(_Target(n, seg.offset, seg.length, dest))
-            dest += seg.length
-
-    bounds = _blob_bounds(index, by_blob)
-
-    def fetch(digest: str) -> None:
-        paths = ", ".join(sorted({chosen[t.entry].path for t in by_blob[digest]})[:3])
-        blob_context = with_context(context, f"entry {paths}")
-        targets = by_blob[digest]
-        bound = bounds[digest]
-        header = read_into(
-            store,
-            digest,
-            [(t.offset, t.length) for t in targets],
-            lambda i: assembler.destination(targets[i], blob_context),
-            context=blob_context,
-            max_raw_len=bound,
-        )
-        if header is None:
-            header, raw = get_blob(store, digest, context=blob_context, max_raw_len=bound)
-            assembler.place(digest, raw, targets, blob_context)
-        if header.kind is Kind.INDEX:
-            raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
-
-    def take(digest: str, key: str) -> None:
-        if ahead is not None:
-            ahead.taken(key)
-        fetch(digest)
-
-    workers = max_workers or store.read_concurrency
-    keys = {digest: blob_key(digest) for digest in by_blob}
-    # The store reads the next blobs while the workers verify theirs (see readahead).
-    ahead = ReadAhead(store, list(keys.values())) if isinstance(store, Prefetching) else None
-    with (
-        ahead or contextlib.nullcontext(),
-        ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool,
-    ):
-        for future in [pool.submit(take, d, k) for d, k in keys.items()]:
-            future.result()
-    return {
-        i: _result(assembler, n, entry, where)
-        for n, (i, entry) in enumerate(zip(wanted, chosen, strict=True))
-    }
+    load = EntryLoad(store, index, entries, context=context, into=into)
+    fetch_all(store, [load], max_workers=max_workers)
+    return load.results()
 
 
 def _result(assembler: _Assembler, n: int, entry: Entry, where: str) -> Any:

@@ -12,7 +12,7 @@ counted on it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -20,12 +20,39 @@ from ckptstore.cas.blobs import get_blob
 from ckptstore.cas.header import MAX_RAW_LEN, Kind
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore.base import ObjectStore
-from ckptstore.serialize.assemble import load_entries, max_blob_len, with_context
+from ckptstore.serialize.assemble import (
+    EntryLoad,
+    fetch_all,
+    load_entries,
+    max_blob_len,
+    with_context,
+)
 from ckptstore.serialize.index import ComponentIndex, Entry, Segment, decode_index
 from ckptstore.serialize.tree import rebuild, tensor_paths
 
 #: The largest index blob a load accepts (an index of a million entries is ~200 MiB).
 MAX_INDEX_BYTES = 1 << 30
+
+
+class PlannedLoad:
+    """A component's load planned by :meth:`ComponentReader.plan`: its blobs' destinations,
+    and how its entries' values become the value the caller gets."""
+
+    def __init__(self, load: EntryLoad, finish: Callable[[dict[int, Any]], Any]) -> None:
+        self.load, self._finish = load, finish
+
+    def value(self) -> Any:
+        """The loaded value, once :func:`load_components` has fetched every blob."""
+        return self._finish(self.load.results())
+
+
+def load_components(
+    store: ObjectStore, plans: Sequence[PlannedLoad], *, max_workers: int = 0
+) -> list[Any]:
+    """Fetch the blobs of every plan as one load (one pool, one read-ahead over all of them:
+    see :func:`ckptstore.serialize.assemble.fetch_all`); each plan's value, in order."""
+    fetch_all(store, [plan.load for plan in plans], max_workers=max_workers)
+    return [plan.value() for plan in plans]
 
 
 class ComponentReader:
@@ -94,6 +121,23 @@ class ComponentReader:
         except KeyError:
             raise KeyError(f"no entry {path!r} in this component") from None
 
+    def plan(self, paths: Iterable[str] | None = None, *, into: Any = None) -> PlannedLoad:
+        """The load of the whole component (``paths`` None: its value is what :meth:`load`
+        returns) or of ``paths`` (as :meth:`load_paths`), planned, nothing fetched yet:
+        :func:`load_components` fetches several components' plans as one load. ``into`` as
+        for :meth:`load`; a tensor of it that does not match is a ``ConfigError`` here."""
+        targets = tensor_paths(into) if into is not None else None
+        whole = paths is None
+        positions = range(len(self.entries)) if paths is None else self.index.select(paths)
+        load = EntryLoad(self.store, self.index, positions, context=self.context, into=targets)
+
+        def finish(values: dict[int, Any]) -> Any:
+            if whole:
+                return rebuild(self.index.tree, [values[i] for i in positions], self._where)
+            return {self.entries[i].path: values[i] for i in positions}
+
+        return PlannedLoad(load, finish)
+
     def load_entries(
         self, positions: Iterable[int], *, max_workers: int = 0, into: Any = None
     ) -> dict[int, Any]:
@@ -122,16 +166,15 @@ class ComponentReader:
         memory, no second copy -- and the result holds that same tensor. A matching tensor of
         another dtype or shape is a ``ConfigError`` before anything is read.
         """
-        values = self.values(max_workers=max_workers, into=into)
-        return rebuild(self.index.tree, values, self._where)
+        return load_components(self.store, [self.plan(into=into)], max_workers=max_workers)[0]
 
     def load_paths(
         self, paths: Iterable[str], *, max_workers: int = 0, into: Any = None
     ) -> dict[str, Any]:
         """Only the named entries, or ``prefix/`` for a subtree; returns path -> value."""
-        positions = self.index.select(paths)
-        values = self.load_entries(positions, max_workers=max_workers, into=into)
-        return {self.entries[i].path: values[i] for i in positions}
+        plan = self.plan(paths, into=into)
+        loaded: dict[str, Any] = load_components(self.store, [plan], max_workers=max_workers)[0]
+        return loaded
 
     def load_subtree(self, key: str) -> Any:
         """The value under top-level ``key`` of a dict component, rebuilt from the entries it
