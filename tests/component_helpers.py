@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,7 @@ import numpy as np
 from ckptstore.cas import BlobWriter, WriterOptions
 from ckptstore.errors import ObjectStoreError
 from ckptstore.objectstore import LocalStore, ObjectStore, PutData
+from ckptstore.objectstore.base import ObjectReader
 from ckptstore.serialize import ComponentResult, write_component
 
 
@@ -35,3 +38,24 @@ class FlakyStore(LocalStore):
         if self.failing:
             raise ObjectStoreError(f"injected failure writing {self.url}/{key}")
         return super().put(key, data)
+
+
+class RecordingStore(LocalStore):
+    """A real LocalStore that records the keys it is asked to read ahead (``prefetched``) and
+    the keys it opens for reads in pieces (``opened``), in order."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, fsync=False)
+        self.prefetched: list[str] = []
+        self.opened: list[str] = []
+        self._lock = threading.Lock()
+
+    def prefetch(self, key: str) -> int:
+        with self._lock:
+            self.prefetched.append(key)
+        return super().prefetch(key)
+
+    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
+        with self._lock:
+            self.opened.append(key)
+        return super().open_reader(key)

@@ -5,44 +5,21 @@ damaged blob, the blobs not started yet are not read."""
 
 from __future__ import annotations
 
-import threading
-from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from component_helpers import save
+from component_helpers import RecordingStore, save
 
 from ckptstore.cas import blob_key
 from ckptstore.errors import ConfigError, IntegrityError
 from ckptstore.objectstore import LocalStore
-from ckptstore.objectstore.base import ObjectReader
 from ckptstore.serialize import ComponentReader
 from ckptstore.serialize.compare import first_difference
 from ckptstore.serialize.reader import load_components
 
 MiB = 1 << 20
-
-
-class Recording(LocalStore):
-    """A real local store that records the keys read in pieces and those read ahead."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)
-        self.opened: list[str] = []
-        self.prefetched: list[str] = []
-        self._lock = threading.Lock()
-
-    def prefetch(self, key: str) -> int:
-        with self._lock:
-            self.prefetched.append(key)
-        return super().prefetch(key)
-
-    def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
-        with self._lock:
-            self.opened.append(key)
-        return super().open_reader(key)
 
 
 def component(seed: int) -> dict[str, Any]:
@@ -62,7 +39,7 @@ def saved(store: LocalStore, seeds: list[int]) -> list[ComponentReader]:
 
 
 def test_every_plan_loads_as_its_own_load_would(tmp_path: Path) -> None:
-    store = Recording(tmp_path / "store")
+    store = RecordingStore(tmp_path / "store")
     readers = saved(store, [1, 2, 3])
     into = {"big": torch.empty(3 * MiB // 4), "layers": [torch.empty(128, 129) for _ in range(4)]}
     plans = [
@@ -85,7 +62,7 @@ def test_every_plan_loads_as_its_own_load_would(tmp_path: Path) -> None:
 
 
 def test_a_blob_two_components_share_is_read_for_each(tmp_path: Path) -> None:
-    store = Recording(tmp_path / "store")
+    store = RecordingStore(tmp_path / "store")
     first, second = saved(store, [7, 7])  # equal states: the same blobs, the same index
     a, b = load_components(store, [first.plan(), second.plan()], max_workers=2)
     assert first_difference(component(7), a) is None
@@ -97,7 +74,7 @@ def test_a_blob_two_components_share_is_read_for_each(tmp_path: Path) -> None:
 def test_a_mismatched_target_of_a_later_component_is_refused_before_any_read(
     tmp_path: Path,
 ) -> None:
-    store = Recording(tmp_path / "store")
+    store = RecordingStore(tmp_path / "store")
     first, second = saved(store, [1, 2])
     plan = first.plan()
     store.opened.clear()
@@ -108,7 +85,7 @@ def test_a_mismatched_target_of_a_later_component_is_refused_before_any_read(
 
 
 def test_after_a_damaged_blob_the_blobs_not_started_are_not_read(tmp_path: Path) -> None:
-    store = Recording(tmp_path / "store")
+    store = RecordingStore(tmp_path / "store")
     readers = saved(store, [1, 2, 3, 4])
     digest = readers[0].entry("big").segments[0].digest  # the first blob of the load
     path = store.root / blob_key(digest)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from component_helpers import save
+from component_helpers import RecordingStore, save
 
 from ckptstore.cas import blob_key
 from ckptstore.errors import IntegrityError
@@ -111,19 +111,9 @@ def test_a_local_store_reads_a_file_ahead_into_the_page_cache(tmp_path: Path) ->
     assert store.prefetch("cas/ab/missing") == 0  # advice only: a missing object is no error
 
 
-class PrefetchSpy(LocalStore):
+class PrefetchSpy(RecordingStore):
     """A real local store that records the keys it is asked to read ahead, and whose reads
     in pieces start slowly (a cold disk), so the read-ahead gets ahead of the workers."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root, fsync=False)
-        self.prefetched: list[str] = []
-        self._lock = threading.Lock()
-
-    def prefetch(self, key: str) -> int:
-        with self._lock:
-            self.prefetched.append(key)
-        return super().prefetch(key)
 
     def open_reader(self, key: str) -> AbstractContextManager[ObjectReader]:
         time.sleep(0.02)
