@@ -118,15 +118,16 @@ def touch_and_hash(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from ckptstore.cas.digest import digest_bytes
+    from ckptstore.serialize.dtypes import byte_view
 
     page = os.sysconf("SC_PAGE_SIZE")
 
     def one(pair: tuple[torch.Tensor, torch.Tensor]) -> None:
         empty, tensor = pair
-        flat = empty.reshape(-1).view(torch.uint8)
+        flat = byte_view(empty)
         flat[::page].fill_(0)  # an op: torch releases the GIL while it runs
         flat[-1:].fill_(0)  # the last page, if the stride stepped over it
-        digest_bytes(tensor.reshape(-1).view(torch.uint8).numpy())
+        digest_bytes(byte_view(tensor).numpy())  # as hash_tensors does
 
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         list(pool.map(one, pairs))
