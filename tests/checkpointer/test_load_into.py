@@ -117,6 +117,26 @@ def test_a_target_of_another_shape_or_dtype_is_refused_before_anything_is_read(
             run.load(into={"critic": {}})
 
 
+@pytest.mark.parametrize("wrong", ["policy", "optimizer"])
+def test_a_mismatched_target_in_any_component_is_refused_before_any_component_is_read(
+    db_url: str, local_store: LocalStore, wrong: str
+) -> None:
+    """Every component's targets are checked before the first blob of any is read: the
+    other component's tensors stay as they were, whichever component comes first."""
+    with open_run("mismatch-any", db=db_url, store=local_store) as run:
+        run.save(1, state(6)).wait()
+        targets = zeros_like(state(6))
+        if wrong == "policy":
+            targets["policy"]["layers"][1] = torch.zeros(64, 63)
+        else:
+            targets["optimizer"]["exp_avg"] = torch.zeros(4095)
+        with pytest.raises(ConfigError, match="cannot load entry"):
+            run.load(into=targets)
+    assert not targets["policy"]["embed.weight"].any()
+    assert not targets["policy"]["layers"][0].any()
+    assert not targets["optimizer"]["exp_avg"].any()
+
+
 def test_a_corrupt_newest_checkpoint_falls_back_into_the_same_tensors(
     db_url: str, local_store: LocalStore
 ) -> None:
