@@ -43,7 +43,10 @@ if TYPE_CHECKING:
         open_run,
         run_info,
     )
+    from ckptstore.checkpointer.drain import DrainReport
+    from ckptstore.checkpointer.tiered import writer_store
     from ckptstore.objectstore import LocalStore, ObjectStore, S3Store, open_store
+    from ckptstore.tiers import PathTransport, TierConfig
 
 _lazy_getattr, _lazy_dir = lazy_exports(
     __name__,
@@ -64,7 +67,10 @@ _lazy_getattr, _lazy_dir = lazy_exports(
             "open_run",
             "run_info",
         ],
+        "ckptstore.checkpointer.drain": ["DrainReport"],
+        "ckptstore.checkpointer.tiered": ["writer_store"],
         "ckptstore.objectstore": ["LocalStore", "ObjectStore", "S3Store", "open_store"],
+        "ckptstore.tiers": ["PathTransport", "TierConfig"],
     },
 )
 
@@ -90,6 +96,7 @@ __all__ = [
     "ComponentNotFoundError",
     "ConfigError",
     "DatabaseError",
+    "DrainReport",
     "FencedError",
     "IntegrityError",
     "LoadedCheckpoint",
@@ -97,6 +104,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectStore",
     "ObjectStoreError",
+    "PathTransport",
     "RetentionPolicy",
     "Run",
     "RunInfo",
@@ -110,8 +118,10 @@ __all__ = [
     "ShardSave",
     "ShardWriter",
     "StorePermissionError",
+    "TierConfig",
     "WriterOptions",
     "open_run",
     "open_store",
     "run_info",
+    "writer_store",
 ]

@@ -66,6 +66,7 @@ from ckptstore.serialize.reader import BlobCache, ComponentReader
 from ckptstore.serialize.save import ComponentResult, flatten_state
 from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.settings import default_db, default_store
+from ckptstore.tiers.nodes import check_node_name
 
 __all__ = [
     "MAX_DIMS",
@@ -129,6 +130,7 @@ def receipt_to_json(receipt: ShardReceipt) -> dict[str, Any]:
             [b.digest, int(b.kind), b.codec, b.logical_bytes, b.stored_bytes, b.uploaded]
             for b in result.blobs
         ],
+        "nodes": list(receipt.nodes),
     }
 
 
@@ -144,4 +146,5 @@ def receipt_from_json(doc: dict[str, Any]) -> ShardReceipt:
         doc["started_at"],
         doc["blocked_seconds"],
         doc["upload_seconds"],
+        tuple(check_node_name(n, what="a receipt's node") for n in doc.get("nodes", ())),
     )

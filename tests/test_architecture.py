@@ -30,6 +30,7 @@ LAYERS = {
     "_migrations": 1,
     "cas": 2,
     "serialize": 3,
+    "tiers": 3,
     "checkpointer": 4,
     "floor": 5,
     "maintenance": 6,

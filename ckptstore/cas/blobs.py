@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 from ckptstore.cas import codec
 from ckptstore.cas.digest import (
@@ -24,7 +25,7 @@ from ckptstore.cas.header import (
     decode_header,
 )
 from ckptstore.errors import ConfigError, IntegrityError, ObjectNotFoundError, UnreadableError
-from ckptstore.objectstore.base import BytesLike, ObjectStore, RandomAccess
+from ckptstore.objectstore.base import BytesLike, Copies, ObjectStore, RandomAccess
 
 #: :func:`read_into` reads and hashes a raw blob in pieces of this size, so each piece is
 #: hashed while the read has just left it in the CPU cache.
@@ -289,10 +290,25 @@ def get_blob(
     ``decode_object``).
     """
     where = _where(store, digest, context)
-    with _blob_errors(digest, where):
-        return decode_object(
-            store.get_view(blob_key(digest)), digest, where, max_raw_len=max_raw_len, limit=limit
-        )
+    while True:
+        try:
+            with _blob_errors(digest, where):
+                return decode_object(
+                    store.get_view(blob_key(digest)),
+                    digest,
+                    where,
+                    max_raw_len=max_raw_len,
+                    limit=limit,
+                )
+        except IntegrityError as exc:
+            if not next_copy(store, digest, exc):
+                raise
+
+
+def next_copy(store: ObjectStore, digest: str, error: IntegrityError) -> bool:
+    """Whether ``store`` has another copy of ``digest`` to read after the one that just failed
+    with ``error`` (a store of several copies, :class:`Copies`, skips the bad one)."""
+    return isinstance(store, Copies) and store.failed(blob_key(digest), error)
 
 
 def read_into(
@@ -319,8 +335,26 @@ def read_into(
     """
     if not isinstance(store, RandomAccess):
         return None
+    while True:
+        try:
+            return _read_into(store, digest, targets, destination, context, max_raw_len)
+        except IntegrityError as exc:
+            if not next_copy(store, digest, exc):
+                raise
+
+
+def _read_into(
+    store: ObjectStore,
+    digest: str,
+    targets: Sequence[tuple[int, int]],
+    destination: Callable[[int], memoryview],
+    context: str,
+    max_raw_len: int,
+) -> Header | None:
+    """One read of :func:`read_into` from the copy ``store`` reads now."""
     where = _where(store, digest, context)
-    with _blob_errors(digest, where), store.open_reader(blob_key(digest)) as reader:
+    readable = cast(RandomAccess, store)
+    with _blob_errors(digest, where), readable.open_reader(blob_key(digest)) as reader:
         prefix = memoryview(bytearray(min(reader.size, MAX_HEADER)))
         reader.read_into(0, prefix)
         header = decode_header(prefix, where, object_size=reader.size)

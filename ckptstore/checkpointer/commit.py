@@ -42,6 +42,7 @@ from ckptstore.checkpointer.shards import ShardReceipt
 from ckptstore.errors import FencedError, SaveError
 from ckptstore.manifest import committing as tx
 from ckptstore.manifest import reading as reads
+from ckptstore.manifest import tiering
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import BlobClaim, CheckpointInfo, ComponentInfo
 from ckptstore.objectstore import ObjectStore
@@ -94,6 +95,23 @@ class Writer:
     retention: RetentionPolicy
     #: Fetches the manifest's live blobs this save will likely reuse (one query per save).
     refresh_live: Callable[[], None] = lambda: None
+    #: Set for a local save: ``store`` and ``blobs`` write to the tiers, and the commit makes
+    #: the checkpoint local-durable.
+    local: LocalCommit | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LocalCommit:
+    """What a local commit needs besides a store commit's (see ``checkpointer/tiered.py``)."""
+
+    #: R: every blob must be on this many distinct nodes' tiers.
+    replicas: int
+    #: Which copies named by receipts, and not yet known to the manifest, are not there.
+    check_copies: tiering.CheckCopies
+    #: The nodes this process's own components were written to (its writer store's).
+    nodes: tuple[str, ...]
+    #: After the commit: keep the tiers bounded (best effort; what it returns is unused).
+    after: Callable[[], object] = lambda: None
 
 
 def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
@@ -107,9 +125,13 @@ def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
         writer.blobs.forget()
         flats = list(request.flats.items())
         reuse = reusable(writer.blobs, [flat for _, flat in flats])
+        nodes = writer.local.nodes if writer.local is not None else ()
         receipts = [
             ShardReceipt(
-                name, write_flat(writer.blobs, flat, reused), request.kinds.get(name, "state")
+                name,
+                write_flat(writer.blobs, flat, reused),
+                request.kinds.get(name, "state"),
+                nodes=nodes,
             )
             for (name, flat), reused in zip(flats, reuse, strict=True)
         ]
@@ -133,6 +155,8 @@ def run_save(writer: Writer, request: SaveRequest) -> CheckpointInfo:
     apply_retention(writer)
     if revived:
         repair(writer, revived)
+    if writer.local is not None:
+        writer.local.after()
     return info
 
 
@@ -187,20 +211,53 @@ def commit(
             "blocked_seconds": blocked_now(request),
         }
 
-    revived = tx.commit_checkpoint(
-        writer.db,
-        run_id=writer.run_id,
-        epoch=writer.epoch,
-        checkpoint_id=checkpoint_id,
-        step=request.step,
-        claims=claims,
-        components=components,
-        values=values,
-        check_objects=lambda digests: check_objects(writer.store, digests),
-    )
+    revived: list[str] = []
+    if writer.local is not None:
+        tiering.commit_local(
+            writer.db,
+            run_id=writer.run_id,
+            epoch=writer.epoch,
+            checkpoint_id=checkpoint_id,
+            step=request.step,
+            claims=claims,
+            components=components,
+            values=values,
+            holders=holders_of(receipts),
+            replicas=writer.local.replicas,
+            check_copies=writer.local.check_copies,
+        )
+    else:
+        revived = tx.commit_checkpoint(
+            writer.db,
+            run_id=writer.run_id,
+            epoch=writer.epoch,
+            checkpoint_id=checkpoint_id,
+            step=request.step,
+            claims=claims,
+            components=components,
+            values=values,
+            check_objects=lambda digests: check_objects(writer.store, digests),
+        )
     info = reads.committed(writer.db, checkpoint_id, components)
     assert info is not None
     return info, revived
+
+
+def holders_of(receipts: Sequence[ShardReceipt]) -> dict[str, set[str]]:
+    """Each blob the receipts name -> the nodes whose tiers hold it (a blob two receipts share
+    is on the nodes of both). A receipt written to the object store has no place in a local
+    save: ``SaveError`` naming it."""
+    holders: dict[str, set[str]] = {}
+    for receipt in receipts:
+        if not receipt.nodes:
+            raise SaveError(
+                f"component {receipt.component!r} was stored in the object store, not on the "
+                "tiers: a local save takes receipts of writers that save through the tiers "
+                "(ShardWriter(writer_store(tier_config))), or save it with durability='remote'"
+            )
+        for ref in receipt.result.blobs:
+            holders.setdefault(ref.digest, set()).update(receipt.nodes)
+    return holders
 
 
 def stale_components(

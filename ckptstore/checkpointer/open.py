@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from ckptstore.cas.writer import WriterOptions
 from ckptstore.checkpointer.jsonvalues import plain_json
 from ckptstore.checkpointer.retention import RetentionPolicy
 from ckptstore.checkpointer.run import Run
+from ckptstore.checkpointer.tiered import Tiers
 from ckptstore.errors import ConfigError
 from ckptstore.manifest import reading
 from ckptstore.manifest.db import Database
@@ -20,6 +22,9 @@ from ckptstore.manifest.records import RunInfo
 from ckptstore.names import check_run_name, check_step, parse_target
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.settings import default_db, default_store
+from ckptstore.tiers.config import TierConfig
+
+log = logging.getLogger("ckptstore.checkpointer")
 
 
 def open_run(
@@ -35,6 +40,7 @@ def open_run(
     async_save: bool = True,
     keep_snapshot_buffers: bool = True,
     fork_from: str | tuple[str, int] | None = None,
+    tiers: TierConfig | None = None,
 ) -> Run:
     """Open (or create) the run ``name``.
 
@@ -67,6 +73,10 @@ def open_run(
             and zeroes the state's size of fresh pages (measured 2-3x the time of the copy
             itself). Buffers for GPU tensors are pinned and always stay.
         fork_from: ``"RUN@STEP"`` of the checkpoint a new run starts from (lineage).
+        tiers: Node-local tiers (:class:`~ckptstore.tiers.TierConfig`): saves go to this
+            node's tier and its replica peers' (local-durable), ``Run.drain`` sends them to
+            the store, and loads read the nearest verified copy. A writer first removes from
+            this node's tier what the manifest does not know (a crash's leftovers).
     """
     check_run_name(name)
     retention = retention or RetentionPolicy()
@@ -89,6 +99,9 @@ def open_run(
             owns.append(objects)
         if writable:
             objects.check_usable()  # a missing bucket fails here, not at the first save
+        tiering = Tiers(tiers) if tiers is not None else None
+        if tiering is not None:
+            owns.append(tiering)
         cfg = plain_json(config, "config")
         fingerprint = config_fingerprint(cfg) if cfg is not None else None
         opened = open_run_row(
@@ -102,7 +115,7 @@ def open_run(
             higher_is_better=retention.higher_is_better,
             check_config=config_check(name, cfg, fingerprint, plain_json(identity, "identity")),
         )
-        return Run(
+        run = Run(
             db=database,
             store=objects,
             run_id=opened.run_id,
@@ -113,7 +126,13 @@ def open_run(
             async_save=async_save,
             keep_snapshot_buffers=keep_snapshot_buffers,
             owns=owns,
+            tiers=tiering,
         )
+        if tiering is not None and writable:
+            swept, _ = tiering.sweep(database)
+            if swept:
+                log.info("removed %d unknown object(s) from the tier of %s", swept, tiering.node)
+        return run
     except BaseException:
         for resource in reversed(owns):
             resource.close()

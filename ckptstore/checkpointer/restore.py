@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckptstore.cas.blobs import MissingBlobError, quarantine_blob
@@ -49,6 +49,9 @@ class LoadedCheckpoint:
     #: Newer checkpoints that failed verification on the way: (step, why). A writer marked
     #: them corrupt; a read-only reader left them as they were.
     skipped: tuple[tuple[int, str], ...] = ()
+    #: A load through node-local tiers: the bytes read from each node's tier, and from the
+    #: object store (``"store"``). Empty for a load from the store alone.
+    read_bytes: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +86,7 @@ def load(
     wanted = set(components) if components is not None else None
     if step is not None:
         info = reads.committed_at(reader.db, reader.key, check_step(step))
-        return LoadedCheckpoint(info, _load_state(reader, info, wanted, paths, into))
+        return LoadedCheckpoint(info, readable_state(reader, info, wanted, paths, into))
     skipped: list[tuple[int, str]] = []
     before: int | None = None
     while True:
@@ -94,7 +97,7 @@ def load(
                 f"run {reader.name!r} has no committed checkpoint to load{detail}"
             )
         try:
-            state = _load_state(reader, found, wanted, paths, into)
+            state = readable_state(reader, found, wanted, paths, into)
         except IntegrityError as exc:
             if not fallback:
                 raise
@@ -107,14 +110,15 @@ def load(
         return LoadedCheckpoint(found, state, tuple(skipped))
 
 
-def _load_state(
+def readable_state(
     reader: Reader,
     info: CheckpointInfo,
     wanted: set[str] | None,
     paths: Mapping[str, Iterable[str]] | None,
     into: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """:func:`load_state`, with what cannot be read here said to change nothing."""
+    """:func:`load_state`, with what cannot be read here said to change nothing (what every
+    load calls, from the store or through the tiers)."""
     try:
         return load_state(reader, info, wanted, paths, into)
     except UnreadableError as exc:

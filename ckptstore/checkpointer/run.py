@@ -12,12 +12,14 @@ from types import TracebackType
 from typing import Any
 
 from ckptstore.cas.writer import BlobWriter, WriterOptions
-from ckptstore.checkpointer import commit, restore
+from ckptstore.checkpointer import commit, drain, recovery, restore
+from ckptstore.checkpointer.drain import DrainReport
 from ckptstore.checkpointer.handle import OneInFlight, SaveHandle, close_on_exit
 from ckptstore.checkpointer.jsonvalues import plain_json
 from ckptstore.checkpointer.retention import RetentionPolicy, check_trigger
 from ckptstore.checkpointer.shards import ShardReceipt, check_kinds
 from ckptstore.checkpointer.snapshot import Snapshotter
+from ckptstore.checkpointer.tiered import Tiers
 from ckptstore.errors import ConfigError, RunStateError
 from ckptstore.manifest import reading as reads
 from ckptstore.manifest.db import Database
@@ -46,9 +48,12 @@ class Run:
         async_save: bool,
         keep_snapshot_buffers: bool = True,
         owns: Sequence[Any] = (),
+        tiers: Tiers | None = None,
     ) -> None:
         self.db = db
         self.store = store
+        #: The run's node-local tiers (``open_run(tiers=...)``), or None.
+        self.tiers = tiers
         self.id = run_id
         self.name = name
         self.epoch = epoch
@@ -59,6 +64,9 @@ class Run:
         #: The live blobs this run's current save will likely share (refreshed per save).
         self._live: frozenset[str] = frozenset()
         self._blobs = BlobWriter(store, writer_options, known=self._is_live_blob)
+        #: Writes this process's components to the tiers (a local save): its own tier answers
+        #: what is there already, so no manifest query decides it.
+        self._tier_blobs = BlobWriter(tiers.writer(), writer_options) if tiers is not None else None
         self._queue: OneInFlight[SaveHandle] = OneInFlight(f"ckpt-save-{name}")
         self._closed = False
 
@@ -81,8 +89,14 @@ class Run:
         started_at: float | None = None,
         blocked_seconds: float = 0.0,
         expect_changed: Iterable[str] = (),
+        durability: str | None = None,
     ) -> SaveHandle:
         """Checkpoint ``components`` (name -> state) and workers' ``receipts`` at ``step``.
+
+        ``durability``: ``"remote"`` stores it in the object store (``committed``);
+        ``"local"`` stores it on the node-local tiers of ``replicas`` nodes (``local``: a
+        :meth:`drain` makes it remote-durable later), which needs ``open_run(tiers=...)`` and
+        receipts written through the tiers. Default: local when the run has tiers.
 
         Returns once the state is snapshotted; the upload and the commit run in the background
         (or before returning if the run was opened with ``async_save=False``). A previous save
@@ -102,7 +116,7 @@ class Run:
         """
         call_started_at = time.time()
         started = time.perf_counter()
-        writer = self._writer()
+        writer = self._writer(self._local(durability))
         check_step(step)
         check_trigger(trigger)
         components = dict(components or {})
@@ -147,22 +161,54 @@ class Run:
         finally:
             self._snapshotter.release()
 
-    def _writer(self) -> commit.Writer:
+    def _local(self, durability: str | None) -> bool:
+        """Whether a save of ``durability`` goes to the tiers."""
+        if durability is None:
+            return self.tiers is not None
+        if durability not in ("local", "remote"):
+            raise ConfigError(f"durability={durability!r}: use 'local' or 'remote'")
+        if durability == "local" and self.tiers is None:
+            raise ConfigError(
+                f"run {self.name!r} has no node-local tiers: open it with "
+                "tiers=TierConfig(local_dir=...) to save with durability='local'"
+            )
+        return durability == "local"
+
+    def _writer(self, local: bool = False) -> commit.Writer:
         if self._closed:
             raise RunStateError(f"run {self.name!r} is closed")
         if self.epoch is None:
             raise RunStateError(
                 f"run {self.name!r} was opened read-only; open it with writable=True to save"
             )
+        if not local:
+            return commit.Writer(
+                self.db,
+                self.store,
+                self._blobs,
+                self.id,
+                self.name,
+                self.epoch,
+                self.retention,
+                refresh_live=self._refresh_live,
+            )
+        tiers = self.tiers
+        assert tiers is not None
+        assert self._tier_blobs is not None
         return commit.Writer(
             self.db,
-            self.store,
-            self._blobs,
+            tiers.writer(),
+            self._tier_blobs,
             self.id,
             self.name,
             self.epoch,
             self.retention,
-            refresh_live=self._refresh_live,
+            local=commit.LocalCommit(
+                replicas=tiers.replicas,
+                check_copies=tiers.check_copies,
+                nodes=tiers.writer().nodes,
+                after=lambda: tiers.keep_bounded(self.db, self.id, tiers.reachable(self.db)),
+            ),
         )
 
     def _refresh_live(self) -> None:
@@ -189,7 +235,10 @@ class Run:
 
     def latest(self, *, before_step: int | None = None) -> CheckpointInfo | None:
         """The newest committed checkpoint (below ``before_step``, if given), or None. One
-        indexed query."""
+        indexed query. A run with tiers: the newest checkpoint recoverable now, local or
+        committed (one query more asks which nodes' tiers answer)."""
+        if self.tiers is not None:
+            return recovery.newest(self._reader(), self.tiers, before_step=before_step)
         if before_step is not None:
             return reads.newest_committed(self.db, (self.id, self.name), before_step=before_step)
         return reads.latest(self.db, (self.id, self.name))
@@ -232,10 +281,59 @@ class Run:
         verification may leave unverified bytes in them until the fallback's older checkpoint
         is loaded over them; if none verifies, their contents are undefined.
         """
-        reader = restore.Reader(self.db, self.store, self.id, self.name, self.writable)
+        if self.tiers is not None:
+            return recovery.load_nearest(
+                self._reader(),
+                self.tiers,
+                step,
+                components=components,
+                paths=paths,
+                fallback=fallback,
+                into=into,
+            )
         return restore.load(
-            reader, step, components=components, paths=paths, fallback=fallback, into=into
+            self._reader(), step, components=components, paths=paths, fallback=fallback, into=into
         )
+
+    def _reader(self) -> restore.Reader:
+        return restore.Reader(self.db, self.store, self.id, self.name, self.writable)
+
+    def drain(
+        self, step: int | None = None, *, deadline: float | None = None
+    ) -> DrainReport | None:
+        """Make a local-durable checkpoint remote-durable: ``step``, or the newest local one.
+
+        Uploads what the store does not hold from the nearest verified tier copies, then marks
+        it committed (see :mod:`ckptstore.checkpointer.drain`). ``deadline`` (a
+        ``time.monotonic()`` instant): send only what ends before it; the report says the
+        checkpoint is still local if that was not all. None if there is nothing to drain; a
+        checkpoint already remote-durable reports ``drained`` with nothing uploaded. A writer
+        then applies retention and keeps the tiers bounded."""
+        if self._closed:
+            raise RunStateError(f"run {self.name!r} is closed")
+        tiers = self.tiers
+        if tiers is None:
+            raise ConfigError(
+                f"run {self.name!r} has no node-local tiers to drain: open it with "
+                "tiers=TierConfig(local_dir=...)"
+            )
+        if step is not None:
+            info = reads.checkpoint_at(self.db, (self.id, self.name), check_step(step))
+        else:
+            found = reads.checkpoints(self.db, (self.id, self.name), ["local"])
+            info = found[-1] if found else None
+        if info is None:
+            return None
+        reachable = tiers.reachable(self.db)
+        if info.status != "local":
+            return DrainReport(info.step, info.status == "committed", 0, 0, 0, 0.0)
+        source = drain.Source(tiers.node, tiers.tier, frozenset(reachable), self.writable)
+        report = drain.drain_checkpoint(self.db, self.store, info, source, deadline=deadline)
+        if report.drained and self.writable:
+            assert self.epoch is not None
+            commit.apply_retention(self._writer())
+            tiers.keep_bounded(self.db, self.id, reachable)
+        return report
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -250,6 +348,8 @@ class Run:
             self._queue.shutdown()
             self._snapshotter.clear()
             self._blobs.close()
+            if self._tier_blobs is not None:
+                self._tier_blobs.close()
             for resource in reversed(self._owns):
                 resource.close()
 

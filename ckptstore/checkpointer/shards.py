@@ -35,6 +35,7 @@ from ckptstore.errors import ConfigError, RunStateError, SaveError
 from ckptstore.names import check_component_name, check_kind
 from ckptstore.objectstore import ObjectStore, open_store
 from ckptstore.serialize.save import ComponentResult, FlatState, flatten_state, write_flat
+from ckptstore.tiers.stores import ReplicatingStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,9 @@ class ShardReceipt:
     blocked_seconds: float = 0.0
     #: Encoding, hashing and uploading this component (in the background, for ``save``).
     upload_seconds: float = 0.0
+    #: The nodes whose local tiers hold every blob it names, fsynced (a writer saving through
+    #: the tiers, ``ckptstore.tiers``); empty: the object store holds them.
+    nodes: tuple[str, ...] = ()
 
     @property
     def uploaded_bytes(self) -> int:
@@ -219,11 +223,14 @@ class ShardWriter:
         """Every flattened component, stored in turn and made durable: their receipts."""
         self._writer.forget()
         receipts = []
+        nodes = self.store.nodes if isinstance(self.store, ReplicatingStore) else ()
         for name, flat in flats.items():
             began = time.perf_counter()
             result = write_flat(self._writer, flat)
             upload = time.perf_counter() - began
-            receipts.append(ShardReceipt(name, result, kind_of[name], started_at, blocked, upload))
+            receipts.append(
+                ShardReceipt(name, result, kind_of[name], started_at, blocked, upload, nodes)
+            )
         self.store.flush()  # a receipt promises durable objects: the commit relies on it
         return receipts
 

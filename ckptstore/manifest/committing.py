@@ -67,7 +67,12 @@ def commit_checkpoint(
         existing = blobs.blob_rows(session, list(claims), lock=False)
         live = BlobState.LIVE.value  # one enum lookup, not one per blob
         revived[:] = [d for d, row in existing.items() if row.state != live]
-        to_check = [d for d in claims if d not in existing or existing[d].state != live]
+        # A live row the store holds is trusted; anything else is looked for in the store.
+        to_check = [
+            d
+            for d in claims
+            if d not in existing or existing[d].state != live or not existing[d].in_store
+        ]
         sizes = check_objects(to_check)
         final = dict(claims)
         for digest, size in sizes.items():

@@ -151,6 +151,9 @@ class BlobRow(Base):
     state: Mapped[str] = mapped_column(String(16), default=BlobState.LIVE)
     #: When garbage collection condemned it; a later GC deletes it once this is old enough.
     condemned_at: Mapped[dt.datetime | None]
+    #: Whether the object store holds it (false: only node-local tiers do, see ``blob_copies``,
+    #: until a drain uploads it). Every row older than migration 0007 is in the store.
+    in_store: Mapped[bool] = mapped_column(default=True, server_default=true())
 
 
 class CheckpointBlobRow(Base):
@@ -167,6 +170,23 @@ class CheckpointBlobRow(Base):
         ForeignKey("checkpoints.id", ondelete="CASCADE"), primary_key=True
     )
     digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True)
+
+
+class BlobCopyRow(Base):
+    """A row of ``blob_copies``: a verified copy of a blob on one node's local tier.
+
+    Written only once the copy is fsynced and was hashed by the process that wrote it; a copy
+    that fails verification when read loses its row. Recovery plans from these rows alone."""
+
+    __tablename__ = "blob_copies"
+    __table_args__ = (
+        Index("ix_blob_copies_node", "node"),
+        {"sqlite_with_rowid": False},
+    )
+
+    digest: Mapped[str] = mapped_column(ForeignKey("blobs.digest"), primary_key=True)
+    node: Mapped[str] = mapped_column(String(255), primary_key=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
 class GcLeaseRow(Base):

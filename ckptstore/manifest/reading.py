@@ -58,6 +58,18 @@ def committed_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> Che
         return lookups.fetch_checkpoint_of_row(conn, row, name)
 
 
+def checkpoint_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> CheckpointInfo | None:
+    """The checkpoint at ``step`` that a load may read (local or committed), with its
+    components, or None."""
+    run_id, name = _key(run)
+    query = lookups.select_checkpoints_of(run_id, [Status.LOCAL, Status.COMMITTED]).where(
+        tables.checkpoints.c.step == step
+    )
+    with db.connect() as conn:
+        found = lookups.fetch_with_components(conn, query, name)
+    return found[-1] if found else None
+
+
 def checkpoint_or_latest(db: Database, name: str, step: int | None) -> CheckpointInfo:
     """``RUN@STEP`` (or ``RUN``: its newest committed checkpoint), with components."""
     run = require_run(db, name)

@@ -19,6 +19,9 @@ class Status(enum.StrEnum):
     FAILED = "failed"
     CORRUPT = "corrupt"
     DELETED = "deleted"
+    #: Local-durable: every blob is fsynced on the node-local tiers of enough nodes, and the
+    #: object store may not hold them all yet; a drain makes it ``committed`` (DESIGN.md §13).
+    LOCAL = "local"
 
 
 class Trigger(enum.StrEnum):

@@ -120,6 +120,18 @@ class RandomAccess(Protocol):
         ...
 
 
+@runtime_checkable
+class Copies(Protocol):
+    """A store that holds several copies of an object and reads the nearest one (node-local
+    tiers, then the object store: ``ckptstore.tiers``). A reader that finds the copy it just
+    read damaged or missing calls :meth:`failed`, and reads the key again from the next copy."""
+
+    def failed(self, key: str, error: BaseException) -> bool:
+        """The copy of ``key`` read last failed verification (``error``): it is skipped (and
+        reported) from now on. True if another copy is left to read."""
+        ...
+
+
 class ObjectStore(abc.ABC):
     """Abstract base of every backend. Implementations must be safe to use from many threads."""
 

@@ -21,6 +21,7 @@ from ckptstore.manifest._orm import runs
 from ckptstore.manifest._sql import lookups, tables
 from ckptstore.manifest.models import (
     Base,
+    BlobCopyRow,
     BlobRow,
     CheckpointBlobRow,
     CheckpointRow,
@@ -45,8 +46,9 @@ PLAIN = (Integer, BigInteger, String, Text, Float)
         (tables.components, ComponentRow),
         (tables.blobs, BlobRow),
         (tables.checkpoint_blobs, CheckpointBlobRow),
+        (tables.blob_copies, BlobCopyRow),
     ],
-    ids=["runs", "checkpoints", "components", "blobs", "checkpoint_blobs"],
+    ids=["runs", "checkpoints", "components", "blobs", "checkpoint_blobs", "blob_copies"],
 )
 def test_a_light_table_has_every_column_of_its_model_converted_alike(
     light: object, model: type[Base]

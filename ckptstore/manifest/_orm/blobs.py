@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, cast
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     DateTime,
     Integer,
     String,
@@ -43,6 +44,8 @@ class BlobFacts(NamedTuple):
     state: str  # a BlobState value
     logical_bytes: int
     stored_bytes: int
+    #: Whether the object store holds it (false: only node-local tiers, until a drain).
+    in_store: bool = True
 
 
 def blob_rows(
@@ -50,12 +53,21 @@ def blob_rows(
 ) -> dict[str, BlobFacts]:
     """Rows of ``digests``, whatever their state, in one statement (each row locked for update
     on PostgreSQL unless ``lock`` is False)."""
-    columns = (BlobRow.digest, BlobRow.state, BlobRow.logical_bytes, BlobRow.stored_bytes)
+    columns = (
+        BlobRow.digest,
+        BlobRow.state,
+        BlobRow.logical_bytes,
+        BlobRow.stored_bytes,
+        BlobRow.in_store,
+    )
     if not digests:
         return {}
     query = select(*columns).where(among(BlobRow.digest, digests, dialect_of(session)))
     rows = session.execute(query.with_for_update() if lock else query)
-    return {digest: BlobFacts(state, logical, stored) for digest, state, logical, stored in rows}
+    return {
+        digest: BlobFacts(state, logical, stored, bool(in_store))
+        for digest, state, logical, stored, in_store in rows
+    }
 
 
 def dialect_of(session: Session) -> str:
@@ -90,11 +102,18 @@ def record_blobs(
     checkpoint_id: int,
     claims: Iterable[BlobClaim],
     existing: Mapping[str, BlobFacts],
+    *,
+    in_store: bool = True,
 ) -> None:
     """Insert rows for new blobs, claim existing ones, and reference them all: three statements
     whatever the number of blobs, each binding its whole set as one parameter
     (:mod:`ckptstore.manifest._sql.sets`). ``existing``: the rows of ``claims`` the caller has
-    read in this transaction, holding the GC lock (so none is condemned or deleted since)."""
+    read in this transaction, holding the GC lock (so none is condemned or deleted since).
+
+    ``in_store``: a store commit has checked that the store holds every blob (new rows and
+    claimed ones are ``in_store``); a local commit (False) checked only the tiers' copies: its
+    new rows are not ``in_store``, and neither is a claimed row that was not live (its object
+    may have been quarantined or swept; the drain checks the store again)."""
     now = utcnow()
     dialect = dialect_of(session)
     unique = {c.digest: c for c in claims}
@@ -117,6 +136,7 @@ def record_blobs(
             literal(now, DateTime(timezone=True)).label("created_at"),
             literal(now, DateTime(timezone=True)).label("last_claimed_at"),
             literal(BlobState.LIVE.value, String).label("state"),
+            literal(in_store, Boolean).label("in_store"),
         )
         session.execute(
             insert_ignoring_duplicates(session, BlobRow).from_select(
@@ -132,6 +152,19 @@ def record_blobs(
             .values(last_claimed_at=now, state=BlobState.LIVE)
             .execution_options(synchronize_session=False)
         )
+        # A store commit found in the store every row that was not known to be there; a local
+        # one vouches for no stored object of a row it brought back from condemned.
+        if in_store:
+            marked = [d for d in claimed if not existing[d].in_store]
+        else:
+            marked = [d for d in claimed if existing[d].state != BlobState.LIVE.value]
+        if marked:
+            session.execute(
+                update(BlobRow)
+                .where(among(BlobRow.digest, marked, dialect))
+                .values(in_store=in_store)
+                .execution_options(synchronize_session=False)
+            )
     if unique:
         refs = select_rows({"digest": (String, list(unique))}, dialect)
         refs = refs.add_columns(literal(checkpoint_id, Integer).label("checkpoint_id"))
@@ -192,6 +225,10 @@ def reusable_live_digests(session: Session, run_id: int) -> set[str]:
         session.scalars(
             select(CheckpointBlobRow.digest)
             .join(BlobRow, BlobRow.digest == CheckpointBlobRow.digest)
-            .where(CheckpointBlobRow.checkpoint_id == source, BlobRow.state == BlobState.LIVE)
+            .where(
+                CheckpointBlobRow.checkpoint_id == source,
+                BlobRow.state == BlobState.LIVE,
+                BlobRow.in_store,
+            )
         )
     )

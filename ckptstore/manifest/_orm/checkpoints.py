@@ -107,8 +107,9 @@ def delete_corrupt(session: Session) -> list[int]:
 
 
 def supersede_step(session: Session, checkpoint_id: int) -> list[int]:
-    """Saving a step again replaces it: older committed checkpoints of the same run and step
-    become deleted (their blobs go to GC unless shared), in the commit's transaction."""
+    """Saving a step again replaces it: older committed (or local) checkpoints of the same run
+    and step become deleted (their blobs go to GC unless shared), in the commit's
+    transaction."""
     row = session.get(CheckpointRow, checkpoint_id)
     assert row is not None
     older = list(
@@ -116,7 +117,7 @@ def supersede_step(session: Session, checkpoint_id: int) -> list[int]:
             select(CheckpointRow.id).where(
                 CheckpointRow.run_id == row.run_id,
                 CheckpointRow.step == row.step,
-                CheckpointRow.status == Status.COMMITTED,
+                CheckpointRow.status.in_([Status.COMMITTED.value, Status.LOCAL.value]),
                 CheckpointRow.id != checkpoint_id,
             )
         )
@@ -134,8 +135,21 @@ def supersede_step(session: Session, checkpoint_id: int) -> list[int]:
     return older
 
 
-def finish_commit(session: Session, checkpoint_id: int, values: dict[str, Any]) -> None:
-    """Flip a pending checkpoint to committed with its final values."""
+def status_of(session: Session, checkpoint_id: int) -> str | None:
+    """A checkpoint's status (locked for update on PostgreSQL), or None if it has no row."""
+    return session.scalar(
+        select(CheckpointRow.status).where(CheckpointRow.id == checkpoint_id).with_for_update()
+    )
+
+
+def finish_commit(
+    session: Session,
+    checkpoint_id: int,
+    values: dict[str, Any],
+    *,
+    status: Status = Status.COMMITTED,
+) -> None:
+    """Flip a pending checkpoint to committed (or local) with its final values."""
     current = session.scalar(select(CheckpointRow.status).where(CheckpointRow.id == checkpoint_id))
     if current != Status.PENDING:
         raise RunStateError(
@@ -144,7 +158,7 @@ def finish_commit(session: Session, checkpoint_id: int, values: dict[str, Any]) 
     session.execute(
         update(CheckpointRow)
         .where(CheckpointRow.id == checkpoint_id)
-        .values(status=Status.COMMITTED, committed_at=utcnow(), **values)
+        .values(status=status, committed_at=utcnow(), **values)
     )
 
 

@@ -1,7 +1,7 @@
 """Garbage collection's statements, inside the caller's session: the lease, mark, sweep and the
 orphan check (DESIGN.md §8).
 
-A blob is protected while a committed, pending or corrupt checkpoint references it (corrupt:
+A blob is protected while a committed, local, pending or corrupt checkpoint references it (corrupt:
 repairable, see checkpointer/repair.py) -- unless the caller releases corrupt checkpoints.
 """
 
@@ -21,6 +21,7 @@ from ckptstore.manifest._orm.blobs import dialect_of, insert_ignoring_duplicates
 from ckptstore.manifest._orm.runs import as_utc, hold_gc_lock_exclusive
 from ckptstore.manifest._sql.sets import among
 from ckptstore.manifest.models import (
+    BlobCopyRow,
     BlobRow,
     BlobState,
     CheckpointBlobRow,
@@ -31,7 +32,7 @@ from ckptstore.manifest.models import (
     utcnow,
 )
 
-_KEEPING = (Status.COMMITTED, Status.PENDING)
+_KEEPING = (Status.COMMITTED, Status.LOCAL, Status.PENDING)
 #: Deletes the objects of these digests from the store (inside the sweep's transaction).
 DeleteObjects = Callable[[Sequence[str]], None]
 
@@ -279,6 +280,7 @@ def delete_swept(
         for table, column in (
             (CheckpointBlobRow, CheckpointBlobRow.digest),
             (ComponentRow, ComponentRow.index_digest),
+            (BlobCopyRow, BlobCopyRow.digest),
             (BlobRow, BlobRow.digest),
         ):
             session.execute(

@@ -41,6 +41,7 @@ _TYPES: dict[str, Any] = {
     "last_claimed_at": DateTime(timezone=True),
     "condemned_at": DateTime(timezone=True),
     "higher_is_better": Boolean(),
+    "in_store": Boolean(),
 }
 
 
@@ -68,10 +69,14 @@ blobs = table(
             "last_claimed_at",
             "state",
             "condemned_at",
+            "in_store",
         )
     ),
 )
 checkpoint_blobs = table("checkpoint_blobs", column("checkpoint_id"), column("digest"))
+blob_copies = table(
+    "blob_copies", column("digest"), column("node"), column("created_at", _TYPES["created_at"])
+)
 
 
 def to_record(record_type: type[R], source: TableClause, row: Row[Any], **given: Any) -> R:

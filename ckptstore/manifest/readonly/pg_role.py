@@ -28,6 +28,7 @@ MANIFEST_RELATIONS = (
     "components",
     "blobs",
     "checkpoint_blobs",
+    "blob_copies",
     "gc_lease",
     "alembic_version",
     "checkpoint_summary",

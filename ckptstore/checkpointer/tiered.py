@@ -1,0 +1,171 @@
+"""A run's node-local tiers as its coordinator uses them: the stores local saves write through,
+the check of a local commit's copies, keeping each tier bounded, the sweep at start, and the
+stores a recovery reads through (DESIGN.md §13).
+
+Writers on other nodes need none of this: they write through :func:`writer_store` (a
+:class:`~ckptstore.tiers.stores.ReplicatingStore` for their node) and hand back receipts naming
+the nodes that hold their blobs; the coordinator commits them (``Run.save(..., receipts=...)``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from ckptstore.cas.digest import blob_key, digest_from_key
+from ckptstore.errors import CkptStoreError, ObjectStoreError
+from ckptstore.manifest import tiering
+from ckptstore.manifest.db import Database
+from ckptstore.objectstore import LocalStore, ObjectStore
+from ckptstore.objectstore.base import TMP_PREFIX
+from ckptstore.tiers.config import TierConfig
+from ckptstore.tiers.placement import STORE, read_order, replica_nodes
+from ckptstore.tiers.stores import NearestCopies, ReplicatingStore
+from ckptstore.tiers.transport import PathTransport, Transport
+
+log = logging.getLogger("ckptstore.tiers")
+
+
+def own_tier(config: TierConfig, node: str | None = None) -> LocalStore:
+    """``node``'s own tier directory (this process's node by default), created if missing: a
+    node writes its own tier directly, never through the transport."""
+    return LocalStore(config.root(node or config.this_node()), fsync=config.fsync, create=True)
+
+
+def transport_of(config: TierConfig) -> Transport:
+    """The configured transport, or one that opens every tier as a directory."""
+    return config.transport or PathTransport(config.local_dir, fsync=config.fsync)
+
+
+def writer_store(
+    config: TierConfig, *, node: str | None = None, transport: Transport | None = None
+) -> ReplicatingStore:
+    """What a writer on ``node`` (this process's by default) saves through: its own tier, and
+    the tiers of the next R - 1 nodes of the ring. Hand it to a ``ShardWriter``: its receipts
+    then name the nodes holding their blobs."""
+    me = node or config.this_node()
+    nodes = replica_nodes(config.ring(), me, config.replica_count())
+    reach = transport or transport_of(config)
+    peers = {peer: reach.tier(peer) for peer in nodes[1:]}
+    return ReplicatingStore(me, own_tier(config, me), peers)
+
+
+class Tiers:
+    """The coordinator's view of a run's tiers (``open_run(..., tiers=TierConfig(...))``)."""
+
+    def __init__(self, config: TierConfig) -> None:
+        self.config = config
+        self.node = config.this_node()
+        self.ring = config.ring()
+        self.replicas = config.replica_count()
+        self._owns_transport = config.transport is None
+        self.transport = transport_of(config)
+        self.own = own_tier(config)
+        self._writer: ReplicatingStore | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Tiers({self.config.local_dir!r}, node={self.node!r}, ring={list(self.ring)}, "
+            f"replicas={self.replicas})"
+        )
+
+    def writer(self) -> ReplicatingStore:
+        """This node's writer store (made once)."""
+        if self._writer is None:
+            self._writer = writer_store(self.config, node=self.node, transport=self.transport)
+        return self._writer
+
+    def tier(self, node: str) -> ObjectStore:
+        """``node``'s tier: this node's own directly, others' through the transport."""
+        return self.own if node == self.node else self.transport.tier(node)
+
+    def reachable(self, db: Database) -> set[str]:
+        """The nodes whose tiers answer now, of the ring and of every node the manifest knows
+        copies on (a job restarted elsewhere may still reach its old nodes)."""
+        candidates = {*self.ring, *tiering.nodes(db)}
+        found = self.transport.reachable(candidates - {self.node})
+        return {*found, self.node}
+
+    def check_copies(self, asked: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+        """Of each node's ``asked`` digests, those whose copy is not on its tier (a node that
+        cannot be reached has none)."""
+        missing: dict[str, list[str]] = {}
+        for node, digests in asked.items():
+            try:
+                sizes = self.tier(node).sizes([blob_key(d) for d in digests])
+            except ObjectStoreError:
+                missing[node] = list(digests)
+                continue
+            gone = [d for d in digests if sizes.get(blob_key(d)) is None]
+            if gone:
+                missing[node] = gone
+        return missing
+
+    def nearest(
+        self,
+        copies: Mapping[str, tuple[bool, set[str]]],
+        reachable: Iterable[str],
+        store: ObjectStore,
+    ) -> NearestCopies:
+        """A store reading each of a checkpoint's blobs (``copies``: digest -> (in the store,
+        nodes with a copy)) from its nearest copy: this node, a reachable peer, the store."""
+        live = set(reachable)
+        sources = {
+            blob_key(digest): read_order(self.node, nodes, live, in_store=in_store)
+            for digest, (in_store, nodes) in copies.items()
+        }
+        return NearestCopies(
+            sources,
+            lambda node: store if node == STORE else self.tier(node),
+            store=store,
+            read_concurrency=max(store.read_concurrency, self.own.read_concurrency),
+        )
+
+    def keep_bounded(self, db: Database, run_id: int, reachable: Iterable[str]) -> int:
+        """After a local commit or a drain: local checkpoints a drained newer one made
+        unnecessary are dropped, and every reachable tier drops the copies no checkpoint keeps
+        there. Best effort (a failure is logged: the next save tries again). Returns the copies
+        dropped."""
+        dropped = 0
+        try:
+            tiering.drop_superseded_locals(db, run_id, self.config.keep_last)
+            for node in sorted(reachable):
+                tier = self.tier(node)
+
+                def delete(digests: Sequence[str], tier: ObjectStore = tier) -> None:
+                    tier.delete([blob_key(d) for d in digests])
+
+                dropped += tiering.evict(db, node, self.config.keep_last, delete)
+        except CkptStoreError:
+            log.exception("keeping the tiers bounded failed; the next save tries again")
+        return dropped
+
+    def sweep(self, db: Database, *, older_than: float = 0.0) -> tuple[int, int]:
+        """What this node's tier holds that the manifest does not know (a crash between the
+        copies and the commit, a copy evicted while its node was away): removed, with
+        unfinished writes, if older than ``older_than`` seconds. A scan, for cleaning only:
+        what is recoverable is never decided by one. Returns (objects, bytes) removed."""
+        cutoff = time.time() - older_than
+        count, size = self.own.sweep_incomplete(older_than)
+        found: dict[str, int] = {}
+        for info in self.own.list("cas/"):
+            if info.mtime > cutoff or TMP_PREFIX in info.key:
+                continue
+            digest = digest_from_key(info.key)
+            if digest is not None:
+                found[digest] = info.size
+        if not found:
+            return count, size
+        known = tiering.known_copies(db, self.node, sorted(found))
+        unknown = sorted(set(found) - known)
+        self.own.delete([blob_key(d) for d in unknown])
+        return count + len(unknown), size + sum(found[d] for d in unknown)
+
+    def close(self) -> None:
+        """Release the writer's threads and the transport (if this opened it)."""
+        if self._writer is not None:
+            self._writer.close()
+        self.own.close()
+        if self._owns_transport:
+            self.transport.close()
