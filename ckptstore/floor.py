@@ -49,6 +49,7 @@ from ckptstore.checkpointer.restore import mark_corrupt
 from ckptstore.checkpointer.run import Run
 from ckptstore.checkpointer.shards import ShardReceipt, ShardWriter
 from ckptstore.checkpointer.snapshot import HostBuffers
+from ckptstore.checkpointer.tiered import nearest_copies, writer_store
 from ckptstore.durations import parse_duration
 from ckptstore.manifest import Database
 from ckptstore.manifest.records import (
@@ -66,7 +67,8 @@ from ckptstore.serialize.reader import BlobCache, ComponentReader
 from ckptstore.serialize.save import ComponentResult, flatten_state
 from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.settings import default_db, default_store
-from ckptstore.tiers.nodes import check_node_name
+from ckptstore.tiers import TierConfig
+from ckptstore.tiers.nodes import check_node_name, node_name
 
 __all__ = [
     "MAX_DIMS",
@@ -79,6 +81,7 @@ __all__ = [
     "Entry",
     "HostBuffers",
     "MissingBlobError",
+    "TierConfig",
     "ObjectStore",
     "Piece",
     "Run",
@@ -100,11 +103,14 @@ __all__ = [
     "parse_duration",
     "parse_step_id",
     "mark_corrupt",
+    "nearest_copies",
+    "node_name",
     "open_store",
     "receipt_from_json",
     "receipt_to_json",
     "torch_dtype",
     "torch_dtype_name",
+    "writer_store",
 ]
 
 

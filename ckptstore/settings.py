@@ -9,6 +9,8 @@ from pathlib import Path
 DEFAULT_ROOT = ".ckptstore"
 DB_ENV = "CKPTSTORE_DB"
 STORE_ENV = "CKPTSTORE_STORE"
+#: The node-local tiers' directory template (``{node}`` allowed) for the CLI's tier commands.
+LOCAL_DIR_ENV = "CKPTSTORE_LOCAL_DIR"
 
 
 def default_db() -> str:

@@ -99,7 +99,7 @@ def open_run(
             owns.append(objects)
         if writable:
             objects.check_usable()  # a missing bucket fails here, not at the first save
-        tiering = Tiers(tiers) if tiers is not None else None
+        tiering = Tiers(tiers, create=writable) if tiers is not None else None
         if tiering is not None:
             owns.append(tiering)
         cfg = plain_json(config, "config")

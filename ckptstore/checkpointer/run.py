@@ -22,6 +22,7 @@ from ckptstore.checkpointer.snapshot import Snapshotter
 from ckptstore.checkpointer.tiered import Tiers
 from ckptstore.errors import ConfigError, RunStateError
 from ckptstore.manifest import reading as reads
+from ckptstore.manifest import tiering
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import Trigger
 from ckptstore.manifest.records import CheckpointInfo
@@ -244,8 +245,30 @@ class Run:
         return reads.latest(self.db, (self.id, self.name))
 
     def checkpoint(self, step: int) -> CheckpointInfo:
-        """The committed checkpoint at ``step``; ``CheckpointNotFoundError`` saying why not."""
+        """The committed checkpoint at ``step`` (a run with tiers: local or committed, if
+        recoverable now); ``CheckpointNotFoundError`` saying why not."""
+        if self.tiers is not None:
+            return tiering.recoverable_at(
+                self.db, (self.id, self.name), check_step(step), self.tiers.reachable(self.db)
+            )
         return reads.committed_at(self.db, (self.id, self.name), check_step(step))
+
+    def copies(self, info: CheckpointInfo) -> dict[str, tuple[bool, tuple[str, ...]]]:
+        """Where each blob of ``info`` is: digest -> (the store holds it, the nodes whose
+        tiers hold a copy). What a coordinator hands ranks that read through the tiers
+        (``nearest_copies``) without opening the manifest."""
+        return {
+            digest: (in_store, tuple(sorted(nodes)))
+            for digest, (in_store, nodes) in tiering.copies_of(self.db, info.id).items()
+        }
+
+    def source(self, info: CheckpointInfo) -> ObjectStore:
+        """The store a load of ``info`` reads through: the object store, or (a run with tiers)
+        each blob's nearest verified copy."""
+        if self.tiers is None:
+            return self.store
+        reachable = self.tiers.reachable(self.db)
+        return self.tiers.nearest(tiering.copies_of(self.db, info.id), reachable, self.store)
 
     def checkpoints(self, statuses: Sequence[str] | None = None) -> list[CheckpointInfo]:
         """Every checkpoint of the run (optionally only some statuses), oldest first."""

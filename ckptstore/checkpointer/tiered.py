@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.errors import CkptStoreError, ObjectStoreError
@@ -51,17 +51,62 @@ def writer_store(
     return ReplicatingStore(me, own_tier(config, me), peers)
 
 
+def nearest_copies(
+    config: TierConfig,
+    copies: Mapping[str, tuple[bool, Iterable[str]]],
+    reachable: Iterable[str],
+    store: ObjectStore,
+    *,
+    transport: Transport | None = None,
+) -> NearestCopies:
+    """What a rank on this process's node reads a checkpoint through, given where its blobs
+    are (``Run.copies``, handed over by the coordinator) and the nodes reachable now: its own
+    tier, then peers', then ``store``. The rank never opens the manifest."""
+    me = config.this_node()
+    reach = transport or transport_of(config)
+    own = own_tier(config, me) if config.root(me).is_dir() else None
+
+    def tier(node: str) -> ObjectStore:
+        return own if node == me and own is not None else reach.tier(node)
+
+    return _nearest(me, tier, copies, reachable, store)
+
+
+def _nearest(
+    me: str,
+    tier: Callable[[str], ObjectStore],
+    copies: Mapping[str, tuple[bool, Iterable[str]]],
+    reachable: Iterable[str],
+    store: ObjectStore,
+) -> NearestCopies:
+    live = set(reachable)
+    sources = {
+        blob_key(digest): read_order(me, nodes, live, in_store=in_store)
+        for digest, (in_store, nodes) in copies.items()
+    }
+    return NearestCopies(
+        sources,
+        lambda node: store if node == STORE else tier(node),
+        store=store,
+        read_concurrency=max(store.read_concurrency, LocalStore.read_concurrency),
+    )
+
+
 class Tiers:
     """The coordinator's view of a run's tiers (``open_run(..., tiers=TierConfig(...))``)."""
 
-    def __init__(self, config: TierConfig) -> None:
+    def __init__(self, config: TierConfig, *, create: bool = True) -> None:
+        """``create``: make this node's tier directory if it is missing (a writer); else a
+        missing one is simply not reachable (a reader creates nothing)."""
         self.config = config
         self.node = config.this_node()
         self.ring = config.ring()
         self.replicas = config.replica_count()
         self._owns_transport = config.transport is None
         self.transport = transport_of(config)
-        self.own = own_tier(config)
+        self.own: ObjectStore | None = (
+            own_tier(config) if create or config.root(self.node).is_dir() else None
+        )
         self._writer: ReplicatingStore | None = None
 
     def __repr__(self) -> str:
@@ -78,14 +123,16 @@ class Tiers:
 
     def tier(self, node: str) -> ObjectStore:
         """``node``'s tier: this node's own directly, others' through the transport."""
-        return self.own if node == self.node else self.transport.tier(node)
+        if node == self.node and self.own is not None:
+            return self.own
+        return self.transport.tier(node)
 
     def reachable(self, db: Database) -> set[str]:
         """The nodes whose tiers answer now, of the ring and of every node the manifest knows
         copies on (a job restarted elsewhere may still reach its old nodes)."""
         candidates = {*self.ring, *tiering.nodes(db)}
         found = self.transport.reachable(candidates - {self.node})
-        return {*found, self.node}
+        return found | ({self.node} if self.own is not None else set())
 
     def check_copies(self, asked: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
         """Of each node's ``asked`` digests, those whose copy is not on its tier (a node that
@@ -104,23 +151,13 @@ class Tiers:
 
     def nearest(
         self,
-        copies: Mapping[str, tuple[bool, set[str]]],
+        copies: Mapping[str, tuple[bool, Iterable[str]]],
         reachable: Iterable[str],
         store: ObjectStore,
     ) -> NearestCopies:
         """A store reading each of a checkpoint's blobs (``copies``: digest -> (in the store,
         nodes with a copy)) from its nearest copy: this node, a reachable peer, the store."""
-        live = set(reachable)
-        sources = {
-            blob_key(digest): read_order(self.node, nodes, live, in_store=in_store)
-            for digest, (in_store, nodes) in copies.items()
-        }
-        return NearestCopies(
-            sources,
-            lambda node: store if node == STORE else self.tier(node),
-            store=store,
-            read_concurrency=max(store.read_concurrency, self.own.read_concurrency),
-        )
+        return _nearest(self.node, self.tier, copies, reachable, store)
 
     def keep_bounded(self, db: Database, run_id: int, reachable: Iterable[str]) -> int:
         """After a local commit or a drain: local checkpoints a drained newer one made
@@ -146,10 +183,13 @@ class Tiers:
         copies and the commit, a copy evicted while its node was away): removed, with
         unfinished writes, if older than ``older_than`` seconds. A scan, for cleaning only:
         what is recoverable is never decided by one. Returns (objects, bytes) removed."""
+        own = self.own
+        if own is None:
+            return 0, 0
         cutoff = time.time() - older_than
-        count, size = self.own.sweep_incomplete(older_than)
+        count, size = own.sweep_incomplete(older_than)
         found: dict[str, int] = {}
-        for info in self.own.list("cas/"):
+        for info in own.list("cas/"):
             if info.mtime > cutoff or TMP_PREFIX in info.key:
                 continue
             digest = digest_from_key(info.key)
@@ -159,13 +199,14 @@ class Tiers:
             return count, size
         known = tiering.known_copies(db, self.node, sorted(found))
         unknown = sorted(set(found) - known)
-        self.own.delete([blob_key(d) for d in unknown])
+        own.delete([blob_key(d) for d in unknown])
         return count + len(unknown), size + sum(found[d] for d in unknown)
 
     def close(self) -> None:
         """Release the writer's threads and the transport (if this opened it)."""
         if self._writer is not None:
             self._writer.close()
-        self.own.close()
+        if self.own is not None:
+            self.own.close()
         if self._owns_transport:
             self.transport.close()

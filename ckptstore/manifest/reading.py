@@ -70,11 +70,15 @@ def checkpoint_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> Ch
     return found[-1] if found else None
 
 
-def checkpoint_or_latest(db: Database, name: str, step: int | None) -> CheckpointInfo:
-    """``RUN@STEP`` (or ``RUN``: its newest committed checkpoint), with components."""
+def checkpoint_or_latest(
+    db: Database, name: str, step: int | None, *, local: bool = False
+) -> CheckpointInfo:
+    """``RUN@STEP`` (or ``RUN``: its newest committed checkpoint), with components; ``local``:
+    ``RUN@STEP`` may also be local-durable (what describes it, not what reads the store)."""
     run = require_run(db, name)
     if step is not None:
-        return committed_at(db, run, step)
+        found_local = checkpoint_at(db, run, step) if local else None
+        return found_local if found_local is not None else committed_at(db, run, step)
     found = latest(db, run)
     if found is None:
         raise CheckpointNotFoundError(f"run {name!r} has no committed checkpoint")
@@ -163,6 +167,18 @@ def corrupt_referencing(db: Database, digests: Sequence[str]) -> list[int]:
 
     with db.read() as session:
         return corrupt_ids_referencing(session, digests)
+
+
+def replica_counts(db: Database, checkpoint_ids: Sequence[int]) -> dict[int, int]:
+    """Each checkpoint -> the fewest node-local tier copies any of its blobs has."""
+    with db.connect() as conn:
+        return lookups.fetch_replica_counts(conn, list(checkpoint_ids))
+
+
+def durability(status: str) -> str | None:
+    """What a checkpoint of ``status`` survives: ``"remote"`` (committed: the object store
+    holds it), ``"local"`` (on node-local tiers only), or None (not loadable)."""
+    return {Status.COMMITTED: "remote", Status.LOCAL: "local"}.get(Status(status))
 
 
 def _key(run: RunInfo | tuple[int, str]) -> tuple[int, str]:

@@ -31,6 +31,8 @@ class Trigger(enum.StrEnum):
     LAST = "last"
     TIMEOUT = "timeout"
     MANUAL = "manual"
+    #: A frequent save to the node-local tiers (every ``local_period`` steps).
+    LOCAL = "local"
 
 
 class BlobState(enum.StrEnum):

@@ -147,12 +147,6 @@ def copies_of(db: Database, checkpoint_id: int) -> dict[str, tuple[bool, set[str
         return copies.checkpoint_copies(session, checkpoint_id)
 
 
-def replica_counts(db: Database, checkpoint_ids: Sequence[int]) -> dict[int, int]:
-    """Each checkpoint -> the fewest tier copies any of its blobs has."""
-    with db.read() as session:
-        return copies.fewest_copies(session, list(checkpoint_ids))
-
-
 def forget(db: Database, bad: Iterable[tuple[str, str]]) -> None:
     """Forget copies a read found damaged or gone: (digest, node) pairs."""
     by_node: dict[str, list[str]] = {}

@@ -9,7 +9,7 @@ it needs is fsynced on the local tiers (RAM disk, NVMe) of R distinct nodes, and
 the object store yet. Three changes record that:
 
 - ``checkpoints.status`` may be ``local``: committed to the nodes' tiers, not yet drained to the
-  store. A drain makes it ``committed`` (remote-durable, as before). Every reader that knows only
+  store (and ``checkpoints.trigger`` may be ``local``: a frequent save every ``local_period``). A drain makes it ``committed`` (remote-durable, as before). Every reader that knows only
   the store keeps looking for ``committed`` and never sees a checkpoint it could not read.
 - ``blobs.in_store``: whether the object store holds the blob. Every row before this revision
   does (true); a blob first written by a local save has a row with ``in_store`` false until a
@@ -34,16 +34,23 @@ down_revision = "0006"
 branch_labels = None
 depends_on = None
 
-_OLD_STATUSES = ("pending", "committed", "failed", "corrupt", "deleted")
-_NEW_STATUSES = ("pending", "committed", "failed", "corrupt", "deleted", "local")
+#: Each CHECKed column's values before and after this revision (in the models' order).
+_OLD = {
+    "status": ("pending", "committed", "failed", "corrupt", "deleted"),
+    "trigger": ("period", "last", "timeout", "manual"),
+}
+_NEW = {
+    "status": (*_OLD["status"], "local"),
+    "trigger": (*_OLD["trigger"], "local"),
+}
 _READER = "ckptstore_reader"
 
 
-def _check(statuses: tuple[str, ...]) -> str:
-    return '"status" IN (' + ", ".join(f"'{s}'" for s in statuses) + ")"
+def _check(column: str, values: tuple[str, ...]) -> str:
+    return f'"{column}" IN (' + ", ".join(f"'{v}'" for v in values) + ")"
 
 
-def _sqlite_check(old: tuple[str, ...], new: tuple[str, ...]) -> None:
+def _sqlite_check(old: dict[str, tuple[str, ...]], new: dict[str, tuple[str, ...]]) -> None:
     """Swap the status CHECK's text in the table's stored statement: SQLite's documented way
     for a change that leaves every stored row valid and the file's content as it is (its ALTER
     TABLE page, "simpler procedure"), instant at any size. Rebuilding ``checkpoints`` instead
@@ -53,17 +60,20 @@ def _sqlite_check(old: tuple[str, ...], new: tuple[str, ...]) -> None:
     create = run(
         "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'checkpoints'"
     ).scalar_one()
-    if _check(old) not in create:
-        raise RuntimeError(
-            "migration 0007: the checkpoints table's status CHECK is not the one revision 0006 "
-            "left; restore the database from a backup taken before it was changed by hand"
-        )
+    for column, values in old.items():
+        if _check(column, values) not in create:
+            raise RuntimeError(
+                f"migration 0007: the checkpoints table's {column} CHECK is not the one the "
+                "revision before left; restore the database from a backup taken before it was "
+                "changed by hand"
+            )
+        create = create.replace(_check(column, values), _check(column, new[column]))
     version = run("PRAGMA schema_version").scalar_one()
     run("PRAGMA writable_schema = ON")
     try:
         run(
             "UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'checkpoints'",
-            (create.replace(_check(old), _check(new)),),
+            (create,),
         )
         # Every connection reads the schema again before its next statement.
         run(f"PRAGMA schema_version = {int(version) + 1}")
@@ -71,11 +81,12 @@ def _sqlite_check(old: tuple[str, ...], new: tuple[str, ...]) -> None:
         run("PRAGMA writable_schema = OFF")
 
 
-def _postgres_check(statuses: tuple[str, ...]) -> None:
-    op.execute(
-        "ALTER TABLE checkpoints DROP CONSTRAINT ck_checkpoints_status, "
-        f"ADD CONSTRAINT ck_checkpoints_status CHECK ({_check(statuses)})"
-    )
+def _postgres_check(values: dict[str, tuple[str, ...]]) -> None:
+    for column, allowed in values.items():
+        op.execute(
+            f"ALTER TABLE checkpoints DROP CONSTRAINT ck_checkpoints_{column}, "
+            f"ADD CONSTRAINT ck_checkpoints_{column} CHECK ({_check(column, allowed)})"
+        )
 
 
 def _grant_reader() -> None:
@@ -89,9 +100,9 @@ def _grant_reader() -> None:
 def upgrade() -> None:
     dialect = op.get_bind().dialect.name
     if dialect == "sqlite":
-        _sqlite_check(_OLD_STATUSES, _NEW_STATUSES)
+        _sqlite_check(_OLD, _NEW)
     else:
-        _postgres_check(_NEW_STATUSES)
+        _postgres_check(_NEW)
     # A plain ADD COLUMN with a constant default: no table copy on either database.
     op.execute(
         "ALTER TABLE blobs ADD COLUMN in_store BOOLEAN DEFAULT "
@@ -103,9 +114,7 @@ def upgrade() -> None:
         sa.Column("digest", sa.String(67), nullable=False),
         sa.Column("node", sa.String(255), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
-        sa.ForeignKeyConstraint(
-            ["digest"], ["blobs.digest"], name="fk_blob_copies_digest_blobs"
-        ),
+        sa.ForeignKeyConstraint(["digest"], ["blobs.digest"], name="fk_blob_copies_digest_blobs"),
         sa.PrimaryKeyConstraint("digest", "node", name="pk_blob_copies"),
         sqlite_with_rowid=False,
     )
@@ -116,25 +125,28 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     dialect = op.get_bind().dialect.name
-    held = op.get_bind().execute(
-        sa.text("SELECT COUNT(*) FROM checkpoints WHERE status = 'local'")
-    ).scalar_one()
+    held = (
+        op.get_bind()
+        .execute(sa.text("SELECT COUNT(*) FROM checkpoints WHERE status = 'local'"))
+        .scalar_one()
+    )
     if held:
         raise RuntimeError(
             f"cannot downgrade below 0007: {held} checkpoint(s) are local-durable only; drain "
             "them first (`ckptstore drain RUN`) or mark them deleted"
         )
+    # Older revisions know no 'local' trigger: such saves become 'manual' ones.
+    op.execute("UPDATE checkpoints SET \"trigger\" = 'manual' WHERE \"trigger\" = 'local'")
     # Rows of blobs the store does not hold would read as stored once the column is gone:
     # condemned instead, so an older writer checks the store before it trusts one (and GC
     # sweeps them).
     op.execute(
-        "UPDATE blobs SET state = 'condemned', condemned_at = CURRENT_TIMESTAMP "
-        "WHERE NOT in_store"
+        "UPDATE blobs SET state = 'condemned', condemned_at = CURRENT_TIMESTAMP WHERE NOT in_store"
     )
     op.drop_index("ix_blob_copies_node", table_name="blob_copies")
     op.drop_table("blob_copies")
     op.execute("ALTER TABLE blobs DROP COLUMN in_store")
     if dialect == "sqlite":
-        _sqlite_check(_NEW_STATUSES, _OLD_STATUSES)
+        _sqlite_check(_NEW, _OLD)
     else:
-        _postgres_check(_OLD_STATUSES)
+        _postgres_check(_OLD)

@@ -47,7 +47,11 @@ def tiers(tmp_path: Path) -> Tiers:
 
 def state(seed: int, n: int = 20_000) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"w": torch.randn(n, generator=g), "b": torch.randn(64, generator=g), "s": torch.tensor(seed)}
+    return {
+        "w": torch.randn(n, generator=g),
+        "b": torch.randn(64, generator=g),
+        "s": torch.tensor(seed),
+    }
 
 
 def rows(db_url: str, sql: str) -> list[tuple[Any, ...]]:
@@ -262,8 +266,11 @@ def test_a_damaged_tier_copy_is_skipped_for_the_next_one_and_forgotten(
     with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
         info = run.save(1, {"policy": state(1)}).wait()
     big = max(
-        rows(db_url, f"SELECT b.digest, b.stored_bytes FROM blobs b JOIN checkpoint_blobs c "
-             f"ON c.digest = b.digest WHERE c.checkpoint_id = {info.id}"),
+        rows(
+            db_url,
+            f"SELECT b.digest, b.stored_bytes FROM blobs b JOIN checkpoint_blobs c "
+            f"ON c.digest = b.digest WHERE c.checkpoint_id = {info.id}",
+        ),
         key=lambda r: r[1],
     )[0]
     path = tmp_path / "tier-a" / blob_key(big)
@@ -367,9 +374,7 @@ def test_a_writer_sweeps_what_the_manifest_does_not_know_from_its_tier_at_start(
     assert tier_keys(tmp_path, "a") == known
 
 
-def test_saving_local_without_tiers_is_refused_with_the_fix(
-    db_url: str, store: LocalStore
-) -> None:
+def test_saving_local_without_tiers_is_refused_with_the_fix(db_url: str, store: LocalStore) -> None:
     with open_run("r", db=db_url, store=store, async_save=False) as run:
         with pytest.raises(ConfigError, match="tiers=TierConfig"):
             run.save(1, {"policy": state(1)}, durability="local")

@@ -809,3 +809,72 @@ def test_redact_hides_the_password() -> None:
         assert "s3cr3t" not in repr(database)
     finally:
         database.close()
+
+
+# -- 7. revision 0007: tiers ------------------------------------------------------------------
+
+
+def test_revision_0007_keeps_every_row_in_the_store_and_refuses_to_lose_a_local_checkpoint(
+    fresh_db: Callable[[], str], opened: Callable[..., Database]
+) -> None:
+    url = fresh_db()
+    migrate(url, "0006")
+    database = opened(url, check_schema=False)
+    with database.engine.begin() as conn:
+        insert_sample_data(conn)
+    migrate(url, "0007")
+    with database.engine.begin() as conn:
+        # Every blob row older than tiers is in the store; a local checkpoint and a local
+        # trigger can be recorded now, with a copy of a blob on a node.
+        assert conn.execute(text("SELECT COUNT(*) FROM blobs WHERE in_store")).scalar() == 2
+        conn.execute(
+            text(
+                'INSERT INTO checkpoints (id, run_id, step, status, writer_epoch, "trigger") '
+                "VALUES (4, 7, 400, 'local', 2, 'local')"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO blobs (digest, kind, logical_bytes, stored_bytes, last_claimed_at, "
+                "state, in_store) VALUES ('b3:cc', 'chunk', 10, 10, :at, 'live', :no)"
+            ),
+            {"at": dt.datetime.now(dt.UTC), "no": False},
+        )
+        conn.execute(
+            text("INSERT INTO blob_copies (digest, node, created_at) VALUES ('b3:cc', 'n1', :at)"),
+            {"at": dt.datetime.now(dt.UTC)},
+        )
+        with pytest.raises(SQLIntegrityError):  # still checked: no other status gets in
+            with conn.begin_nested():
+                conn.execute(text("UPDATE checkpoints SET status = 'lost' WHERE id = 4"))
+    with pytest.raises(RuntimeError, match="1 checkpoint.*local-durable only; drain them"):
+        migrate_down(url, "0006")
+    with database.engine.begin() as conn:
+        conn.execute(text("UPDATE checkpoints SET status = 'deleted' WHERE id = 4"))
+    migrate_down(url, "0006")
+    with database.engine.begin() as conn:
+        # The blob the store may not hold is condemned (an older writer checks the store before
+        # it trusts a condemned row); the local trigger became a manual one.
+        state = conn.execute(text("SELECT state FROM blobs WHERE digest = 'b3:cc'")).scalar()
+        assert state == "condemned"
+        trigger = conn.execute(text('SELECT "trigger" FROM checkpoints WHERE id = 4')).scalar()
+        assert trigger == "manual"
+        statuses = conn.execute(text("SELECT id, status FROM checkpoints ORDER BY id")).all()
+        assert [tuple(r) for r in statuses] == [
+            (1, "committed"),
+            (2, "committed"),
+            (3, "failed"),
+            (4, "deleted"),
+        ]
+        with pytest.raises(SQLIntegrityError):
+            with conn.begin_nested():
+                conn.execute(text("UPDATE checkpoints SET status = 'local' WHERE id = 4"))
+
+
+def migrate_down(url: str, revision: str) -> None:
+    database = Database(url, check_schema=False)
+    try:
+        with database.engine.begin() as conn:
+            command.downgrade(_alembic_config(conn), revision)
+    finally:
+        database.close()

@@ -37,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "latest": "the newest committed step of a run",
     "verify": "re-hash checkpoints' blobs; exit 1 and mark corrupt ones if damaged",
     "gc": "delete blobs no committed checkpoint needs (mark and sweep)",
+    "drain": "upload a local-durable checkpoint from the node-local tiers to the store",
     "sql": "run one read-only SQL query over the manifest",
     "export": "write a checkpoint's components as files",
     "import": "store a torch DCP directory or safetensors as RUN@STEP",

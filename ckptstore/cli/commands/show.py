@@ -58,8 +58,10 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     ``--entries``, a DCP or Megatron checkpoint's state dict is listed by name
     (``state_dict``) instead of its rank components' numbered items."""
     name, step = parse_target(args.target)
-    info = reads.checkpoint_or_latest(ctx.db, name, step)
+    info = reads.checkpoint_or_latest(ctx.db, name, step, local=True)
     payload = as_dict(info)
+    payload["durability"] = reads.durability(info.status)
+    payload["replicas"] = reads.replica_counts(ctx.db, [info.id]).get(info.id)
     entries: dict[str, list[dict[str, Any]]] = {}
     named: tuple[str, list[dict[str, Any]]] | None = None
     if args.entries:
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
         payload["entries"] = entries
         if named is not None:
             payload["state_dict"] = {"format": named[0], "items": named[1]}
-    emit(args, payload, text=_text(info, entries, named))
+    emit(args, payload, text=_text(info, entries, named, payload))
     return EXIT_OK
 
 
@@ -109,13 +111,19 @@ def _state_dict(
 def _text(
     info: CheckpointInfo,
     entries: dict[str, list[dict[str, Any]]],
-    named: tuple[str, list[dict[str, Any]]] | None = None,
+    named: tuple[str, list[dict[str, Any]]] | None,
+    payload: dict[str, Any],
 ) -> str:
     lines = [
         f"{name:>14}: {cell(getattr(info, name))}"
         for name in field_names(CheckpointInfo)
         if name not in _SUMMARISED
     ]
+    replicas = payload["replicas"]
+    lines.append(
+        f"{'durability':>14}: {payload['durability'] or '-'}, on "
+        f"{'-' if replicas is None else replicas} node-local tier(s)"
+    )
     lines.append(
         f"{'bytes':>14}: {human_bytes(info.logical_bytes)} logical, "
         f"{human_bytes(info.stored_bytes)} stored, {human_bytes(info.uploaded_bytes)} uploaded"

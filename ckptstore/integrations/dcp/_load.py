@@ -334,7 +334,8 @@ def _plan(
                 f"run {run.name!r} has no committed checkpoint to load{below}{detail}"
             )
         plan = LoadPlan(info, run.store.url)
-        reader = CkptStoreReader.for_plan(run.store, plan, max_workers=max_workers)
+        # A run with node-local tiers reads the metadata from its nearest copy.
+        reader = CkptStoreReader.for_plan(run.source(info), plan, max_workers=max_workers)
         try:
             reader.stored_metadata()
         except IntegrityError as exc:

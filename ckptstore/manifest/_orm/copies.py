@@ -150,28 +150,6 @@ def checkpoint_copies(session: Session, checkpoint_id: int) -> dict[str, tuple[b
     return found
 
 
-def fewest_copies(session: Session, checkpoint_ids: Sequence[int]) -> dict[int, int]:
-    """Each checkpoint -> the fewest tier copies any of its blobs has (0 if a blob has none)."""
-    if not checkpoint_ids:
-        return {}
-    per_blob = (
-        select(
-            CheckpointBlobRow.checkpoint_id.label("checkpoint_id"),
-            func.count(BlobCopyRow.node).label("copies"),
-        )
-        .outerjoin(BlobCopyRow, BlobCopyRow.digest == CheckpointBlobRow.digest)
-        .where(CheckpointBlobRow.checkpoint_id.in_(list(checkpoint_ids)))
-        .group_by(CheckpointBlobRow.checkpoint_id, CheckpointBlobRow.digest)
-        .subquery()
-    )
-    rows = session.execute(
-        select(per_blob.c.checkpoint_id, func.min(per_blob.c.copies)).group_by(
-            per_blob.c.checkpoint_id
-        )
-    )
-    return {int(cid): int(count) for cid, count in rows}
-
-
 def not_in_store(session: Session, checkpoint_id: int) -> dict[str, tuple[int, set[str]]]:
     """The blobs of a checkpoint the store may not hold (not ``in_store``, or not live: a
     condemned row's object may be gone) -> (their stored bytes, the nodes with a copy)."""

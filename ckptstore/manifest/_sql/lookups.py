@@ -13,13 +13,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Select, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.engine import Connection, Row
 from sqlalchemy.sql.expression import ScalarSelect
 
 from ckptstore.errors import CheckpointNotFoundError, IntegrityError
 from ckptstore.manifest._sql.tables import (
     BATCH,
+    blob_copies,
+    checkpoint_blobs,
     checkpoints,
     components,
     fetch_rows,
@@ -197,3 +199,33 @@ def select_in_status(status: str, *, run: str | None, step: int | None) -> Selec
     if step is not None:
         query = query.where(checkpoints.c.step == step)
     return query.order_by(runs.c.name, checkpoints.c.step)
+
+
+# -- copies on node-local tiers ------------------------------------------------------------------
+
+
+def fetch_replica_counts(conn: Connection, checkpoint_ids: Sequence[int]) -> dict[int, int]:
+    """Each checkpoint -> the fewest node-local tier copies any of its blobs has (0 when a blob
+    has none; absent for a checkpoint that references no blob): two grouped statements per
+    :data:`BATCH` checkpoints."""
+    found: dict[int, int] = {}
+    for i in range(0, len(checkpoint_ids), BATCH):
+        ids = list(checkpoint_ids[i : i + BATCH])
+        per_blob = (
+            select(
+                checkpoint_blobs.c.checkpoint_id.label("checkpoint_id"),
+                func.count(blob_copies.c.node).label("copies"),
+            )
+            .select_from(checkpoint_blobs)
+            .outerjoin(blob_copies, blob_copies.c.digest == checkpoint_blobs.c.digest)
+            .where(checkpoint_blobs.c.checkpoint_id.in_(ids))
+            .group_by(checkpoint_blobs.c.checkpoint_id, checkpoint_blobs.c.digest)
+            .subquery()
+        )
+        rows = conn.execute(
+            select(per_blob.c.checkpoint_id, func.min(per_blob.c.copies)).group_by(
+                per_blob.c.checkpoint_id
+            )
+        )
+        found.update({int(cid): int(count) for cid, count in rows})
+    return found
