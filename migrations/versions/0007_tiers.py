@@ -9,8 +9,9 @@ it needs is fsynced on the local tiers (RAM disk, NVMe) of R distinct nodes, and
 the object store yet. Three changes record that:
 
 - ``checkpoints.status`` may be ``local``: committed to the nodes' tiers, not yet drained to the
-  store (and ``checkpoints.trigger`` may be ``local``: a frequent save every ``local_period``). A drain makes it ``committed`` (remote-durable, as before). Every reader that knows only
-  the store keeps looking for ``committed`` and never sees a checkpoint it could not read.
+  store. A drain makes it ``committed`` (remote-durable, as before). Every reader that knows
+  only the store keeps looking for ``committed`` and never sees a checkpoint it could not read.
+  ``checkpoints.trigger`` may be ``local`` too: a frequent save every ``local_period`` steps.
 - ``blobs.in_store``: whether the object store holds the blob. Every row before this revision
   does (true); a blob first written by a local save has a row with ``in_store`` false until a
   drain uploads and checks it.

@@ -78,11 +78,13 @@ def test_a_local_save_is_committed_local_with_every_blob_fsynced_on_r_nodes(
     with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
         info = run.save(1, {"policy": state(1)}).wait()
         assert info.status == "local"
-        assert run.latest() is not None and run.latest().step == 1  # type: ignore[union-attr]
+        assert run.latest() is not None
+        assert run.latest().step == 1
     copies = rows(db_url, "SELECT digest, node FROM blob_copies ORDER BY digest, node")
     digests = {d for d, _ in copies}
     refs = {d for (d,) in rows(db_url, "SELECT digest FROM checkpoint_blobs")}
-    assert digests == refs and digests
+    assert digests == refs
+    assert digests
     # The writer's node and the next one on the ring (R = 2 of 3 nodes), nothing elsewhere.
     assert {n for _, n in copies} == {"a", "b"}
     assert len(copies) == 2 * len(digests)
@@ -143,7 +145,8 @@ def test_consecutive_local_saves_deduplicate_by_content(
         first = run.save(1, {"policy": state(1)}).wait()
         again = run.save(2, {"policy": state(1)}).wait()
     assert first.uploaded_bytes > 0
-    assert again.uploaded_bytes == 0 and again.stored_bytes == first.stored_bytes
+    assert again.uploaded_bytes == 0
+    assert again.stored_bytes == first.stored_bytes
 
 
 def test_a_drain_uploads_verified_copies_and_makes_the_checkpoint_remote_durable(
@@ -152,8 +155,11 @@ def test_a_drain_uploads_verified_copies_and_makes_the_checkpoint_remote_durable
     with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
         run.save(1, {"policy": state(1)})
         report = run.drain()
-        assert report is not None and report.drained and report.uploaded_blobs > 0
-        assert run.drain(1) is not None and run.drain(1).uploaded_blobs == 0  # type: ignore[union-attr]
+        assert report is not None
+        assert report.drained
+        assert report.uploaded_blobs > 0
+        assert run.drain(1) is not None
+        assert run.drain(1).uploaded_blobs == 0
         assert run.drain() is None  # nothing local is left
     assert rows(db_url, "SELECT status FROM checkpoints") == [("committed",)]
     assert rows(db_url, "SELECT COUNT(*) FROM blobs WHERE NOT in_store") == [(0,)]
@@ -183,7 +189,8 @@ def test_a_drain_interrupted_midway_stays_local_and_the_next_one_sends_the_rest(
         assert [c.status for c in run.checkpoints()] == ["local"]
         monkeypatch.setattr(LocalStore, "put", put)
         report = run.drain()
-        assert report is not None and report.drained
+        assert report is not None
+        assert report.drained
         assert report.present_blobs >= 2  # the first drain's uploads were not sent again
     assert rows(db_url, "SELECT status FROM checkpoints") == [("committed",)]
 
@@ -202,7 +209,7 @@ def test_a_drain_never_marks_what_the_store_does_not_hold(
                 store.delete([first.key])
 
         monkeypatch.setattr(LocalStore, "flush", lose_one)
-        with pytest.raises(SaveError, match="not in the store.*stays local-durable"):
+        with pytest.raises(SaveError, match=r"not in the store.*stays local-durable"):
             run.drain()
         assert [c.status for c in run.checkpoints()] == ["local"]
 
@@ -215,8 +222,10 @@ def test_a_drain_that_cannot_end_before_its_deadline_sends_nothing_and_says_so(
     with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
         run.save(1, {"policy": state(1)})
         report = run.drain(deadline=time.monotonic() + 0.1)
-        assert report is not None and not report.drained
-        assert report.stopped is not None and "deadline" in report.stopped
+        assert report is not None
+        assert not report.drained
+        assert report.stopped is not None
+        assert "deadline" in report.stopped
         assert [c.status for c in run.checkpoints()] == ["local"]
     assert list(store.list("cas/")) == []
 
@@ -231,7 +240,8 @@ def test_a_lost_node_is_recovered_from_its_peers_without_reading_the_store(
     shutil.rmtree(tmp_path / "tier-a")  # node a is lost with its disk
     with open_run("r", db=db_url, store=store, tiers=tiers("b"), async_save=False) as run:
         loaded = run.load()
-    assert loaded.info.step == 2 and loaded.info.status == "local"
+    assert loaded.info.step == 2
+    assert loaded.info.status == "local"
     assert equal(loaded.state["policy"], state(2))
     assert set(loaded.read_bytes) == {"b"}  # every byte from the surviving replica
 
@@ -253,7 +263,8 @@ def test_with_one_replica_a_lost_node_reads_from_the_store_only_what_it_alone_he
     store.reads.clear()
     with open_run("r", db=db_url, store=store, tiers=solo["a"], async_save=False) as run:
         loaded = run.load()
-    assert equal(loaded.state["rank-c"], state(12)) and equal(loaded.state["rank-b"], state(11))
+    assert equal(loaded.state["rank-c"], state(12))
+    assert equal(loaded.state["rank-b"], state(11))
     assert set(store.reads) == {blob_key(d) for d in lost}
     assert loaded.read_bytes["store"] == sum(
         (tmp_path / "store" / blob_key(d)).stat().st_size for d in lost
@@ -300,10 +311,12 @@ def test_a_checkpoint_whose_only_copy_is_damaged_falls_back_to_the_older_one(
         path.write_bytes(bytes(data))
     with open_run("r", db=db_url, store=store, tiers=solo, async_save=False) as run:
         loaded = run.load()
-        assert loaded.info.step == 1 and [s for s, _ in loaded.skipped] == [2]
+        assert loaded.info.step == 1
+        assert [s for s, _ in loaded.skipped] == [2]
         assert equal(loaded.state["policy"], state(1))
         # Step 2 is no longer recoverable from here: its bad copies were forgotten.
-        assert run.latest() is not None and run.latest().step == 1  # type: ignore[union-attr]
+        assert run.latest() is not None
+        assert run.latest().step == 1
         with pytest.raises(CheckpointNotFoundError, match="local-durable, but"):
             run.load(2)
 

@@ -844,10 +844,10 @@ def test_revision_0007_keeps_every_row_in_the_store_and_refuses_to_lose_a_local_
             text("INSERT INTO blob_copies (digest, node, created_at) VALUES ('b3:cc', 'n1', :at)"),
             {"at": dt.datetime.now(dt.UTC)},
         )
-        with pytest.raises(SQLIntegrityError):  # still checked: no other status gets in
-            with conn.begin_nested():
-                conn.execute(text("UPDATE checkpoints SET status = 'lost' WHERE id = 4"))
-    with pytest.raises(RuntimeError, match="1 checkpoint.*local-durable only; drain them"):
+        # Still checked: no other status gets in.
+        with pytest.raises(SQLIntegrityError), conn.begin_nested():
+            conn.execute(text("UPDATE checkpoints SET status = 'lost' WHERE id = 4"))
+    with pytest.raises(RuntimeError, match=r"1 checkpoint.*local-durable only; drain them"):
         migrate_down(url, "0006")
     with database.engine.begin() as conn:
         conn.execute(text("UPDATE checkpoints SET status = 'deleted' WHERE id = 4"))
@@ -866,9 +866,8 @@ def test_revision_0007_keeps_every_row_in_the_store_and_refuses_to_lose_a_local_
             (3, "failed"),
             (4, "deleted"),
         ]
-        with pytest.raises(SQLIntegrityError):
-            with conn.begin_nested():
-                conn.execute(text("UPDATE checkpoints SET status = 'local' WHERE id = 4"))
+        with pytest.raises(SQLIntegrityError), conn.begin_nested():
+            conn.execute(text("UPDATE checkpoints SET status = 'local' WHERE id = 4"))
 
 
 def migrate_down(url: str, revision: str) -> None:

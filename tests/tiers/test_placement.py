@@ -57,7 +57,7 @@ def test_tier_config_checks_every_field_and_names_it() -> None:
         TierConfig(local_dir="/tmp/t", keep_last=0)
     with pytest.raises(ConfigError, match="names a node twice"):
         TierConfig(local_dir="/tmp/t", nodes=("a", "a"))
-    with pytest.raises(ConfigError, match="invalid TierConfig.node"):
+    with pytest.raises(ConfigError, match=r"invalid TierConfig\.node"):
         TierConfig(local_dir="/tmp/t", node="../etc")
     cfg = TierConfig(local_dir="/tmp/t-{node}", node="b", nodes=("a", "c"))
     assert cfg.ring() == ("a", "b", "c")
