@@ -69,6 +69,8 @@ from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.settings import default_db, default_store
 from ckptstore.tiers import TierConfig
 from ckptstore.tiers.nodes import check_node_name, node_name
+from ckptstore.tiers.ray import RayTransport
+from ckptstore.tiers.shared import check_nonce, put_nonce, remove_nonce
 
 __all__ = [
     "MAX_DIMS",
@@ -84,12 +86,14 @@ __all__ = [
     "TierConfig",
     "ObjectStore",
     "Piece",
+    "RayTransport",
     "Run",
     "ShardReceipt",
     "ShardWriter",
     "SourceTensor",
     "WriterOptions",
     "check_digest",
+    "check_nonce",
     "checkpoint_info_from_json",
     "checkpoint_info_to_json",
     "check_savable",
@@ -102,12 +106,14 @@ __all__ = [
     "identity_changes",
     "parse_duration",
     "parse_step_id",
+    "put_nonce",
     "mark_corrupt",
     "nearest_copies",
     "node_name",
     "open_store",
     "receipt_from_json",
     "receipt_to_json",
+    "remove_nonce",
     "torch_dtype",
     "torch_dtype_name",
     "writer_store",

@@ -26,6 +26,7 @@ import torch
 from ckptstore import (
     CheckpointInfo,
     CheckpointNotFoundError,
+    CkptStoreError,
     IntegrityError,
     LoadedCheckpoint,
     ObjectStore,
@@ -39,7 +40,14 @@ from ckptstore import (
     open_store,
     run_info,
 )
-from ckptstore.floor import Database, default_store, identity_changes, mark_corrupt
+from ckptstore.floor import (
+    Database,
+    TierConfig,
+    default_store,
+    identity_changes,
+    mark_corrupt,
+    writer_store,
+)
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import (
     TrainerConfig,
@@ -52,7 +60,7 @@ from trainer.config import (
 from trainer.errors import ResumeError
 from trainer.pending import PendingSave, settle
 from trainer.policy import Policy
-from trainer.policy_state import SHARDED_INFO
+from trainer.policy_state import SHARDED_INFO, TierSources
 from trainer.resume import KINDS, load_to_resume
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
@@ -97,6 +105,12 @@ class TrainerCheckpointer:
         self._buffer_writer: ShardWriter | None = None
         self._db: Database | None = None
         self._store: ObjectStore | None = None
+        #: The run's node-local tiers (checkpointing.local_dir), once the job's nodes are known.
+        self.tiers: TierConfig | None = None
+        #: The drain in flight (one at a time; each waits for the one before).
+        self.draining: asyncio.Task[None] | None = None
+        #: The last drain's failure, if it failed.
+        self.drain_error: CkptStoreError | None = None
 
     # -- before anything is trained or stored ------------------------------------------------
 
@@ -190,6 +204,99 @@ class TrainerCheckpointer:
                 model.load_state_dict(loaded.state["policy"])
         return model.state_dict()
 
+    # -- node-local tiers ----------------------------------------------------------------------
+
+    def use_tiers(self, node: str, nodes: list[str], transport: Any = None) -> TierConfig | None:
+        """The run's tiers on the job's ``nodes`` (this process on ``node``): None without
+        checkpointing.local_dir. Call before :meth:`open`."""
+        ck = self.ck
+        if not self.enabled or ck.local_dir is None:
+            return None
+        self.tiers = TierConfig(
+            local_dir=ck.local_dir,
+            node=node,
+            nodes=tuple(sorted(set(nodes))),
+            replicas=ck.local_replicas,
+            keep_last=ck.local_keep_last,
+            transport=transport,
+        )
+        self.emit(
+            f"node-local tiers at {ck.local_dir} on {len(self.tiers.ring())} node(s), "
+            f"{self.tiers.replica_count()} replica(s): a local save every {ck.local_period} "
+            f"step(s), drained to the store every {ck.save_period}"
+        )
+        return self.tiers
+
+    def _drain_after(self, handle: SaveHandle | None, step: int | None) -> None:
+        """Drain ``step`` (None: the newest local checkpoint) once ``handle``'s commit is done,
+        in the background, after the drain before it; within the time budget."""
+        previous = self.draining
+
+        async def drain() -> None:
+            if previous is not None:
+                await previous
+            if handle is not None:
+                await asyncio.to_thread(handle.wait)
+            run = self.run
+            assert run is not None
+            try:
+                report = await asyncio.to_thread(run.drain, step, deadline=self._deadline())
+            except CkptStoreError as exc:
+                # The checkpoint stays local-durable and training goes on; the next drain (or
+                # start) tries again. The last drain's failure fails the run at close.
+                self.drain_error = exc
+                what = "the newest checkpoint" if step is None else f"step {step}"
+                self.emit(
+                    f"warning: draining {what} to the store failed ({exc}); it stays "
+                    "local-durable and the next drain retries"
+                )
+                return
+            self.drain_error = None
+            if report is None or (report.drained and not report.uploaded_blobs and step is None):
+                return
+            if report.drained:
+                self.emit(
+                    f"drained step {report.step} to the store: {_mib(report.uploaded_bytes)} "
+                    f"in {report.seconds:.2f}s (remote-durable)"
+                )
+            else:
+                self.emit(
+                    f"step {report.step} stays local-durable: {report.stopped}; the next start "
+                    "drains the rest"
+                )
+
+        self.draining = asyncio.ensure_future(drain())
+
+    def drain_leftover(self) -> None:
+        """What an earlier start left local-durable (a stop on its time budget) goes to the
+        store in the background, before anything this start saves."""
+        self._drain_after(None, None)
+
+    def tier_sources(self, info: CheckpointInfo) -> TierSources | None:
+        """Where ``info``'s blobs are, for the policy ranks that read it (None without tiers or
+        for another run's checkpoint, which the store holds)."""
+        run = self.run
+        if run is None or run.tiers is None or info.run != run.name:
+            return None
+        reachable = tuple(sorted(run.tiers.reachable(run.db)))
+        return TierSources(run.copies(info), reachable)
+
+    def _deadline(self) -> float | None:
+        """The time budget's end as a ``time.monotonic()`` instant, or None."""
+        if self.budget is None:
+            return None
+        return time.monotonic() + (self.process_start + self.budget - self.clock())
+
+    async def settle_drains(self) -> None:
+        """Wait for the drains in flight; the last one's failure is raised (a finished run
+        must leave its last checkpoint remote-durable)."""
+        task, self.draining = self.draining, None
+        if task is not None:
+            await task
+        error, self.drain_error = self.drain_error, None
+        if error is not None:
+            raise error
+
     # -- opening and restoring ------------------------------------------------------------------
 
     def open(self) -> None:
@@ -208,9 +315,11 @@ class TrainerCheckpointer:
             # The model config identifies the run; runtime settings (steps, sampler, dataset,
             # save policy) may change between the runs of one job and are recorded.
             identity=self.model_spec,
+            tiers=self.tiers,
         )
         # Replay-buffer groups: no packs, so an unchanged group stores the same blobs again.
-        self._buffer_writer = ShardWriter(self.run.store, options=WriterOptions(pack_threshold=0))
+        target = writer_store(self.tiers) if self.tiers is not None else self.run.store
+        self._buffer_writer = ShardWriter(target, options=WriterOptions(pack_threshold=0))
 
     def retention(self) -> RetentionPolicy:
         """The reference's rule: periodic saves compete for keep_top_k, the latest is kept,
@@ -323,7 +432,11 @@ class TrainerCheckpointer:
             return "period", timeout
         if timeout:
             return "timeout", True
-        return ("last" if last else None), False
+        if last:
+            return "last", False
+        if self.tiers is not None and step % self.ck.local_period == 0:
+            return "local", False  # a frequent save to the tiers, not drained
+        return None, False
 
     async def save(
         self,
@@ -340,6 +453,10 @@ class TrainerCheckpointer:
         uploads go on in the background and the commit follows when they are done (with
         ``async_save=false``: before this returns, and the wait counts as blocked)."""
         await self.flush(policy)
+        if self.tiers is not None:
+            # The previous local commit ends by dropping copies no checkpoint keeps from the
+            # tiers: no writer may find one of them there and count on it meanwhile.
+            await asyncio.to_thread(self._wait_committed)
         workers = self.cfg.policy.num_workers
         if workers > 1:
             sharding = {"workers": workers, "optimizer": self.ck.save_optimizer}
@@ -418,6 +535,8 @@ class TrainerCheckpointer:
             or [r.component for r in policy_receipts if r.component.startswith("dcp/rank")],
         )
         self.committing = handle
+        if self.tiers is not None and pending.trigger != "local":
+            self._drain_after(handle, pending.step)
         self.report()
 
     def report(self) -> None:
@@ -434,8 +553,9 @@ class TrainerCheckpointer:
             self._emit_saved(handle.wait())
 
     def _emit_saved(self, info: CheckpointInfo) -> None:
+        where = " to the node-local tiers" if info.status == "local" else ""
         self.emit(
-            f"saved step {info.step} ({info.trigger}): {_mib(info.logical_bytes)} logical, "
+            f"saved step {info.step} ({info.trigger}){where}: {_mib(info.logical_bytes)} logical, "
             f"{_mib(info.uploaded_bytes)} uploaded, {_mib(info.deduplicated_bytes)} deduplicated, "
             f"blocked {info.blocked_seconds or 0:.3f}s, save {info.save_seconds or 0:.2f}s"
         )
@@ -457,6 +577,9 @@ class TrainerCheckpointer:
         try:
             if policy is not None:
                 await self.flush(policy)
+            # A finished run leaves its last checkpoint remote-durable (one stopping on its
+            # time budget, what fits before it).
+            await self.settle_drains()
         except Exception as exc:
             if error is None:
                 failure = exc

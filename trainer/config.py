@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ckptstore.errors import ConfigError
-from ckptstore.floor import config_fingerprint, parse_duration
+from ckptstore.floor import TierConfig, config_fingerprint, parse_duration
 from trainer.errors import ConfigurationError
 
 BACKENDS = ("ray", "local")
@@ -228,6 +228,19 @@ class CheckpointingConfig:
     #: step 0 instead of refusing; the corrupt checkpoints stay in the run's history. A run
     #: with a loadable checkpoint resumes from it whatever this says.
     start_fresh: bool = False
+    #: Node-local tiers (a RAM disk such as /dev/shm, or an NVMe; may contain {node}, the
+    #: node's name): every save goes there, fsynced on local_replicas nodes, and the saves at
+    #: save_period steps (and the last) are drained to the store in the background. None: every
+    #: save goes to the store.
+    local_dir: str | None = None
+    #: With local_dir: a local save every this many train steps.
+    local_period: int = 1
+    #: With local_dir: on how many nodes' tiers every blob is before a local save commits
+    #: (0: 2 where the job spans two nodes or more, else 1).
+    local_replicas: int = 0
+    #: With local_dir: how many of the newest checkpoints each tier keeps, besides every local
+    #: checkpoint not yet drained to the store.
+    local_keep_last: int = 2
 
     def __post_init__(self) -> None:
         _at_least(self.save_period, 1, "checkpointing.save_period")
@@ -240,6 +253,14 @@ class CheckpointingConfig:
             raise ConfigurationError(
                 f"checkpointing.fork_init={self.fork_init!r} must be one of {list(FORK_INITS)}"
             )
+        _at_least(self.local_period, 1, "checkpointing.local_period")
+        _at_least(self.local_replicas, 0, "checkpointing.local_replicas")
+        _at_least(self.local_keep_last, 1, "checkpointing.local_keep_last")
+        if self.local_dir is not None:
+            try:
+                TierConfig(local_dir=self.local_dir)
+            except ConfigError as exc:
+                raise ConfigurationError(f"checkpointing.local_dir: {exc}") from None
         prefix, _, key = self.metric_name.partition(":")
         if prefix != "train" or key not in TRAIN_METRICS:
             raise ConfigurationError(

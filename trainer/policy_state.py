@@ -11,6 +11,7 @@ Either form loads into either layout: a resume may change ``policy.num_workers``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptstore import CheckpointInfo
+from ckptstore.floor import TierConfig, nearest_copies, open_store
 from ckptstore.integrations import dcp as ckpt_dcp
 
 #: The component every sharded policy checkpoint has (DCP's metadata document).
@@ -56,19 +58,36 @@ def apply_sharded_state(
         set_optimizer_state_dict(model, optimizer, state["optim"])
 
 
+@dataclass(frozen=True)
+class TierSources:
+    """Where a checkpoint's blobs are, as the controller found it for the ranks: digest ->
+    (the store holds it, the nodes whose tiers hold a copy), and the nodes reachable now."""
+
+    copies: dict[str, tuple[bool, tuple[str, ...]]]
+    reachable: tuple[str, ...]
+
+
 def load_sharded(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     plan: ckpt_dcp.LoadPlan,
     with_optimizer: bool,
     store: str,
+    tiers: TierConfig | None = None,
+    sources: TierSources | None = None,
 ) -> None:
     """Load a sharded checkpoint (``plan``, resolved by the controller) into this rank's part
-    of the policy, from the store alone: a worker never opens the manifest database. Raises
+    of the policy, from the store (with ``tiers`` and ``sources``: each blob from its nearest
+    copy on the node-local tiers): a worker never opens the manifest database. Raises
     ckptstore's ``IntegrityError`` on every rank when the stored data is damaged (the
     controller marks the checkpoint corrupt and picks the previous one)."""
     state = sharded_state(model, optimizer, with_optimizer)
-    ckpt_dcp.load(state, plan, store=store, fallback=False)
+    if tiers is None or sources is None:
+        ckpt_dcp.load(state, plan, store=store, fallback=False)
+    else:
+        with open_store(store, create=False) as remote:
+            nearest = nearest_copies(tiers, sources.copies, sources.reachable, remote)
+            ckpt_dcp.load(state, plan, store=nearest, fallback=False)
     apply_sharded_state(model, optimizer, state)
 
 

@@ -34,16 +34,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ckptstore import IntegrityError, ShardReceipt
+from ckptstore.floor import ObjectStore, TierConfig, writer_store
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerError
 from trainer.policy import Policy
 from trainer.policy_state import (
+    TierSources,
     apply_whole_state,
     load_sharded,
     sharded_state,
     whole_fits,
 )
+from trainer.tiering import check_nonce, on_this_node, tier_node
 from trainer.workers import TrainStats, grpo_objective, policy_config
 
 #: Seconds a clean close waits for the ranks before they are killed.
@@ -89,12 +92,29 @@ class PolicyRank:
         self.checkpoint_group: dist.ProcessGroup | None = None
         self.stager = ckpt_dcp.SnapshotStager()
         self._save: Future[list[ShardReceipt]] | None = None
+        #: The node-local tiers saves go through (use_tiers), else the store.
+        self.tiers: TierConfig | None = None
+        self._tier_store: ObjectStore | None = None
 
     def node(self) -> str:
         """The Ray node this rank runs on."""
         import ray
 
         return str(ray.get_runtime_context().get_node_id())
+
+    def tier_node(self) -> tuple[str, str | None]:
+        """This rank's node: its tier name and its Ray node id."""
+        return tier_node()
+
+    def use_tiers(self, tiers: TierConfig) -> None:
+        """Save through the node-local tiers from now on (this rank's node, its peers)."""
+        self.tiers = on_this_node(tiers)
+        self._tier_store = writer_store(self.tiers)
+
+    def check_store(self, key: str, nonce: str) -> None:
+        """The controller's nonce is in the store as this rank's node sees it."""
+        assert self.store is not None
+        check_nonce(self.store, key, nonce)
 
     def rendezvous(self) -> str:
         """(Rank 0) where the group meets: this node's address and a free port."""
@@ -168,7 +188,7 @@ class PolicyRank:
         state = sharded_state(self.model, self._optim(), save_optimizer)
         upload = ckpt_dcp.save_shards(
             state,
-            self.store,
+            self._tier_store if self._tier_store is not None else self.store,
             process_group=self.checkpoint_group,
             async_save=True,
             stager=self.stager,
@@ -196,11 +216,16 @@ class PolicyRank:
         apply_whole_state(self.model, self._optim(), policy, optimizer)
         return True
 
-    def load_sharded(self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool) -> None:
-        """Read this rank's shard of a sharded checkpoint (any number of saving ranks)."""
+    def load_sharded(
+        self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
+    ) -> None:
+        """Read this rank's shard of a sharded checkpoint (any number of saving ranks); with
+        ``sources``, each blob from its nearest copy on the node-local tiers."""
         if self.store is None:
             raise RuntimeError("this policy rank was started without a checkpoint store")
-        load_sharded(self.model, self._optim(), plan, with_optimizer, self.store)
+        load_sharded(
+            self.model, self._optim(), plan, with_optimizer, self.store, self.tiers, sources
+        )
 
     def close(self) -> None:
         """Wait for an upload nobody collected, then leave the group."""
@@ -210,6 +235,8 @@ class PolicyRank:
                 save.result()
         finally:
             self.stager.release()
+            if self._tier_store is not None:
+                self._tier_store.close()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -254,6 +281,9 @@ class PolicyGroup:
         self.shard_receipts = _Call(self._shard_receipts)
         self.load = _Call(self._load)
         self.load_sharded = _Call(self._load_sharded)
+        self.tier_node = _Call(self._tier_node)
+        self.use_tiers = _Call(self._use_tiers)
+        self.check_store = _Call(self._check_store)
         self.close = _Call(self._close)
 
     @classmethod
@@ -386,8 +416,22 @@ class PolicyGroup:
         fits = await self._all([rank.load_whole.remote(*refs) for rank in self.ranks])
         return all(fits)
 
-    async def _load_sharded(self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool) -> None:
-        await self._all([rank.load_sharded.remote(plan, with_optimizer) for rank in self.ranks])
+    async def _load_sharded(
+        self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
+    ) -> None:
+        await self._all(
+            [rank.load_sharded.remote(plan, with_optimizer, sources) for rank in self.ranks]
+        )
+
+    async def _tier_node(self) -> list[tuple[str, str | None]]:
+        """Every rank's node (tier name, Ray node id)."""
+        return await self._all([rank.tier_node.remote() for rank in self.ranks])
+
+    async def _use_tiers(self, tiers: TierConfig) -> None:
+        await self._all([rank.use_tiers.remote(tiers) for rank in self.ranks])
+
+    async def _check_store(self, key: str, nonce: str) -> None:
+        await self._all([rank.check_store.remote(key, nonce) for rank in self.ranks])
 
     async def _close(self) -> None:
         """Leave the group cleanly (waiting for uploads nobody collected) when every rank is

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from ckptstore import ShardReceipt, ShardSave, ShardWriter, WriterOptions
+from ckptstore.floor import TierConfig, writer_store
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.policy import (
@@ -24,9 +25,10 @@ from trainer.policy import (
     group_advantages,
     grpo_loss,
 )
-from trainer.policy_state import by_name, load_sharded, whole_fits
+from trainer.policy_state import TierSources, by_name, load_sharded, whole_fits
 from trainer.replay import Rollout
 from trainer.task import reward
+from trainer.tiering import check_nonce, on_this_node, tier_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,6 +159,8 @@ class PolicyWorker:
         self.store = store
         self.shards = ShardWriter(store, options=WriterOptions()) if store is not None else None
         self._save: ShardSave | None = None
+        #: The node-local tiers saves go through (use_tiers), else the store.
+        self.tiers: TierConfig | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -203,6 +207,22 @@ class PolicyWorker:
         self._save = None
         return save.receipts()
 
+    def tier_node(self) -> tuple[str, str | None]:
+        """This worker's node: its tier name, and its Ray node id (None off Ray)."""
+        return tier_node()
+
+    def use_tiers(self, tiers: TierConfig) -> None:
+        """Save through the node-local tiers from now on (this worker's node, its peers)."""
+        if self.shards is not None:
+            self.shards.close()
+        self.tiers = on_this_node(tiers)
+        self.shards = ShardWriter(writer_store(self.tiers), options=WriterOptions())
+
+    def check_store(self, key: str, nonce: str) -> None:
+        """The controller's nonce is in the store as this worker sees it (a shared store)."""
+        assert self.store is not None
+        check_nonce(self.store, key, nonce)
+
     def load(self, policy: dict[str, torch.Tensor], optimizer: dict[str, Any] | None) -> bool:
         """Restore saved weights (and optimizer); False, changing nothing, if shapes differ."""
         if not whole_fits(self.model, policy):
@@ -212,11 +232,14 @@ class PolicyWorker:
             self.optimizer.load_state_dict(optimizer)
         return True
 
-    def load_sharded(self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool) -> None:
+    def load_sharded(
+        self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
+    ) -> None:
         """Restore a policy saved sharded by N workers (``policy.num_workers`` > 1), gathered
-        into this one worker by DCP."""
+        into this one worker by DCP (with ``sources``: from the nearest tier copies)."""
         assert self.store is not None
-        load_sharded(self.model, self.optimizer, plan, with_optimizer, self.store)
+        tiers = on_this_node(self.tiers) if self.tiers is not None else None
+        load_sharded(self.model, self.optimizer, plan, with_optimizer, self.store, tiers, sources)
 
     def close(self) -> None:
         if self.shards is not None:

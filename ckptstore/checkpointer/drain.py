@@ -181,7 +181,11 @@ class _Uploader:
                 try:
                     data = self.source.tier(node).get_view(key)
                     decode_object(data, digest, f"tier copy {key} on node {node!r}")
-                except (IntegrityError, ObjectNotFoundError) as exc:
+                except ObjectNotFoundError:
+                    log.warning("tier copy of %s on node %r is gone", key, node)
+                    bad.append((digest, node))
+                    continue
+                except IntegrityError as exc:
                     log.error("BAD TIER COPY: %s on node %r (%s)", key, node, exc)  # noqa: TRY400
                     bad.append((digest, node))
                     continue

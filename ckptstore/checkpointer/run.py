@@ -324,7 +324,8 @@ class Run:
     def drain(
         self, step: int | None = None, *, deadline: float | None = None
     ) -> DrainReport | None:
-        """Make a local-durable checkpoint remote-durable: ``step``, or the newest local one.
+        """Make a local-durable checkpoint remote-durable: ``step``, or the newest checkpoint if
+        it is local.
 
         Uploads what the store does not hold from the nearest verified tier copies, then marks
         it committed (see :mod:`ckptstore.checkpointer.drain`). ``deadline`` (a
@@ -340,22 +341,25 @@ class Run:
                 f"run {self.name!r} has no node-local tiers to drain: open it with "
                 "tiers=TierConfig(local_dir=...)"
             )
+        reachable = tiers.reachable(self.db)
         if step is not None:
             info = reads.checkpoint_at(self.db, (self.id, self.name), check_step(step))
         else:
-            found = reads.checkpoints(self.db, (self.id, self.name), ["local"])
-            info = found[-1] if found else None
+            # The newest checkpoint recoverable now, if it is local (an older local one is of
+            # no use in the store: a newer one is remote-durable already).
+            newest = tiering.newest_recoverable(self.db, (self.id, self.name), reachable)
+            info = newest if newest is not None and newest.status == "local" else None
         if info is None:
             return None
-        reachable = tiers.reachable(self.db)
         if info.status != "local":
             return DrainReport(info.step, info.status == "committed", 0, 0, 0, 0.0)
         source = drain.Source(tiers.node, tiers.tier, frozenset(reachable), self.writable)
         report = drain.drain_checkpoint(self.db, self.store, info, source, deadline=deadline)
         if report.drained and self.writable:
-            assert self.epoch is not None
             commit.apply_retention(self._writer())
-            tiers.keep_bounded(self.db, self.id, reachable)
+            # Older local checkpoints are of no use now; the tiers drop their copies after the
+            # next local commit (evictions never run beside a save's writes: see tiered.py).
+            tiering.drop_superseded_locals(self.db, self.id, tiers.config.keep_last)
         return report
 
     # -- lifecycle --------------------------------------------------------------------------

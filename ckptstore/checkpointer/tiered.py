@@ -104,9 +104,9 @@ class Tiers:
         self.replicas = config.replica_count()
         self._owns_transport = config.transport is None
         self.transport = transport_of(config)
-        self.own: ObjectStore | None = (
-            own_tier(config) if create or config.root(self.node).is_dir() else None
-        )
+        #: This node's tier directory did not exist: a new disk, whatever the manifest says.
+        self.new_disk = not config.root(self.node).is_dir()
+        self.own: ObjectStore | None = own_tier(config) if create or not self.new_disk else None
         self._writer: ReplicatingStore | None = None
 
     def __repr__(self) -> str:
@@ -160,10 +160,18 @@ class Tiers:
         return _nearest(self.node, self.tier, copies, reachable, store)
 
     def keep_bounded(self, db: Database, run_id: int, reachable: Iterable[str]) -> int:
-        """After a local commit or a drain: local checkpoints a drained newer one made
-        unnecessary are dropped, and every reachable tier drops the copies no checkpoint keeps
-        there. Best effort (a failure is logged: the next save tries again). Returns the copies
-        dropped."""
+        """After a local commit: local checkpoints a drained newer one made unnecessary are
+        dropped, and every reachable tier drops the copies no checkpoint keeps there. Best
+        effort (a failure is logged: the next save tries again). Returns the copies dropped.
+
+        The rule that makes this safe: no writer saves to the tiers while it runs. A writer
+        that finds a blob on its tier counts on it (content dedup) until its checkpoint
+        commits; were the copy dropped meanwhile, that commit would find it gone and fail (it
+        checks every copy it has no row for, so nothing wrong is ever committed). The run's
+        own saves run one at a time, this at the end of each; a coordinator with workers
+        starts their next save once the previous ``Run.save`` has returned its record
+        (``SaveHandle.wait()``), as the reference trainer does. Jobs must not share a tier
+        directory."""
         dropped = 0
         try:
             tiering.drop_superseded_locals(db, run_id, self.config.keep_last)
@@ -177,6 +185,22 @@ class Tiers:
         except CkptStoreError:
             log.exception("keeping the tiers bounded failed; the next save tries again")
         return dropped
+
+    def start(self, db: Database) -> tuple[int, int]:
+        """A writer's start on this node: a new (empty) tier disk means the node lost what
+        it held, so the manifest forgets every copy it recorded there; then :meth:`sweep`."""
+        if self.new_disk:
+            forgotten = tiering.forget_node(db, self.node)
+            if forgotten:
+                log.warning(
+                    "the tier of node %r is new (%s): forgot the %d copies the manifest "
+                    "recorded there",
+                    self.node,
+                    self.config.root(self.node),
+                    forgotten,
+                )
+            self.new_disk = False
+        return self.sweep(db)
 
     def sweep(self, db: Database, *, older_than: float = 0.0) -> tuple[int, int]:
         """What this node's tier holds that the manifest does not know (a crash between the

@@ -162,6 +162,11 @@ def forget(db: Database, bad: Iterable[tuple[str, str]]) -> None:
     db.write(transaction, what="forgetting bad tier copies")
 
 
+def forget_node(db: Database, node: str) -> int:
+    """Forget every copy recorded on ``node`` (its tier is gone); how many."""
+    return db.write(lambda s: copies.delete_node(s, node), what=f"forgetting node {node!r}")
+
+
 def drain_work(db: Database, checkpoint_id: int) -> dict[str, tuple[int, set[str]]]:
     """The blobs of a local checkpoint the store may not hold -> (stored bytes, the nodes with
     a copy): what its drain uploads."""

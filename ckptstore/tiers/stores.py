@@ -256,12 +256,15 @@ class NearestCopies(ObjectStore):
             listed.remove(node)
             self._bad.append(BadCopy(key, node, f"{type(error).__name__}: {error}"))
             remaining = [n for n in listed if n not in self._unreachable]
-        log.error(
-            "BAD TIER COPY: %s on node %r failed verification (%s); reading the next copy",
-            key,
-            node,
-            error,
-        )
+        if isinstance(error, FileNotFoundError):  # MissingBlobError: the copy is gone
+            log.warning("tier copy of %s on node %r is gone; reading the next copy", key, node)
+        else:
+            log.error(
+                "BAD TIER COPY: %s on node %r failed verification (%s); reading the next copy",
+                key,
+                node,
+                error,
+            )
         return bool(remaining)
 
     def _count(self, node: str, nbytes: int) -> None:

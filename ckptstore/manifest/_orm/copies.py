@@ -85,13 +85,14 @@ def delete_copies(session: Session, node: str, digests: Sequence[str]) -> None:
         )
 
 
-def delete_copies_of_blobs(session: Session, digests: Sequence[str]) -> None:
-    """Forget every copy of ``digests`` (their blob rows are going)."""
-    session.execute(
+def delete_node(session: Session, node: str) -> int:
+    """Forget every copy on ``node``; how many there were."""
+    result = session.execute(
         delete(BlobCopyRow)
-        .where(among(BlobCopyRow.digest, digests, dialect_of(session)))
+        .where(BlobCopyRow.node == node)
         .execution_options(synchronize_session=False)
     )
+    return int(getattr(result, "rowcount", 0) or 0)
 
 
 def _uncovered(checkpoint_id: Any, reachable: Collection[str]) -> ColumnElement[bool]:
