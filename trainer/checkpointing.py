@@ -26,7 +26,6 @@ import torch
 from ckptstore import (
     CheckpointInfo,
     CheckpointNotFoundError,
-    CkptStoreError,
     IntegrityError,
     LoadedCheckpoint,
     ObjectStore,
@@ -44,31 +43,26 @@ from ckptstore.floor import (
     Database,
     TierConfig,
     default_store,
-    identity_changes,
     mark_corrupt,
     writer_store,
 )
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import (
     TrainerConfig,
-    architecture_changed,
     fingerprint,
     model_config,
     parse_deadline,
     training_config,
 )
-from trainer.errors import ResumeError
-from trainer.pending import PendingSave, settle
+from trainer.history import plan_fork, start_over
+from trainer.pending import PendingSave, saved_lines, settle
 from trainer.policy import Policy
 from trainer.policy_state import SHARDED_INFO, TierSources
 from trainer.resume import KINDS, load_to_resume
+from trainer.tiering import Drains, tier_config, tier_sources
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
 RANKED_TRIGGERS = frozenset({"period"})
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 class TrainerCheckpointer:
@@ -107,10 +101,8 @@ class TrainerCheckpointer:
         self._store: ObjectStore | None = None
         #: The run's node-local tiers (checkpointing.local_dir), once the job's nodes are known.
         self.tiers: TierConfig | None = None
-        #: The drain in flight (one at a time; each waits for the one before).
-        self.draining: asyncio.Task[None] | None = None
-        #: The last drain's failure, if it failed.
-        self.drain_error: CkptStoreError | None = None
+        #: The drains of local checkpoints to the store (with tiers).
+        self.drains = Drains(emit, self._deadline)
 
     # -- before anything is trained or stored ------------------------------------------------
 
@@ -121,42 +113,17 @@ class TrainerCheckpointer:
         existing = self._existing_config()
         if existing is None:
             return
-        # ckptstore's own rule (open() passes the model config as the run's identity), asked
-        # here before any warm-up or write, to decide the fork or refuse with our options.
-        new_model = self.model_spec
-        changed = identity_changes(existing, new_model)
-        if not changed:
+        fork = plan_fork(self.ck, existing, self.model_spec, self._latest_step)
+        if fork is None:
             return
-        name = self.ck.run_name
-        if not self.ck.fork:
-            raise ResumeError(
-                f"run {name!r} was trained with a different model config (changed: "
-                f"{', '.join(changed)}); resuming it would mix two trainings. Set "
-                "checkpointing.fork=true to start a new run from its newest checkpoint "
-                "(lineage is recorded), or choose another checkpointing.run_name."
-            )
-        arch_changed = architecture_changed(changed)
-        if arch_changed and self.ck.fork_init != "fresh":
-            raise ResumeError(
-                f"cannot fork run {name!r} with its weights: the architecture changed "
-                f"({', '.join(changed)}), so the saved policy does not fit. Set "
-                "checkpointing.fork_init=fresh to start the fork from the warm-up model "
-                "(recorded in the run's config), or keep the architecture."
-            )
+        self.fork_fresh, self.data_reset = fork.fresh, fork.data_reset
+        self.fork_parent, self.run_name = fork.parent, fork.run_name
+        self.emit(fork.message)
+
+    def _latest_step(self, name: str) -> int | None:
         with self._open(name, writable=False) as parent:
             latest = parent.latest()
-        if latest is None:
-            raise ResumeError(f"cannot fork run {name!r}: it has no committed checkpoint")
-        self.fork_fresh = arch_changed
-        self.data_reset = ", ".join(k for k in changed if k == "seed" or k.startswith("task."))
-        self.data_reset = self.data_reset or None
-        self.fork_parent = (name, latest.step)
-        self.run_name = f"{name}-fork-{fingerprint(new_model)}"
-        how = "from the warm-up model (fork_init=fresh)" if self.fork_fresh else "with its weights"
-        self.emit(
-            f"config changed ({', '.join(changed)}): forking run {name!r}@{latest.step} "
-            f"into {self.run_name!r}, {how}"
-        )
+        return None if latest is None else latest.step
 
     def _existing_config(self) -> dict[str, Any] | None:
         db = self.ck.db
@@ -209,93 +176,26 @@ class TrainerCheckpointer:
     def use_tiers(self, node: str, nodes: list[str], transport: Any = None) -> TierConfig | None:
         """The run's tiers on the job's ``nodes`` (this process on ``node``): None without
         checkpointing.local_dir. Call before :meth:`open`."""
-        ck = self.ck
-        if not self.enabled or ck.local_dir is None:
+        if not self.enabled:
             return None
-        self.tiers = TierConfig(
-            local_dir=ck.local_dir,
-            node=node,
-            nodes=tuple(sorted(set(nodes))),
-            replicas=ck.local_replicas,
-            keep_last=ck.local_keep_last,
-            transport=transport,
-        )
-        self.emit(
-            f"node-local tiers at {ck.local_dir} on {len(self.tiers.ring())} node(s), "
-            f"{self.tiers.replica_count()} replica(s): a local save every {ck.local_period} "
-            f"step(s), drained to the store every {ck.save_period}"
-        )
+        self.tiers = tier_config(self.ck, node, nodes, transport, self.emit)
         return self.tiers
-
-    def _drain_after(self, handle: SaveHandle | None, step: int | None) -> None:
-        """Drain ``step`` (None: the newest local checkpoint) once ``handle``'s commit is done,
-        in the background, after the drain before it; within the time budget."""
-        previous = self.draining
-
-        async def drain() -> None:
-            if previous is not None:
-                await previous
-            if handle is not None:
-                await asyncio.to_thread(handle.wait)
-            run = self.run
-            assert run is not None
-            try:
-                report = await asyncio.to_thread(run.drain, step, deadline=self._deadline())
-            except CkptStoreError as exc:
-                # The checkpoint stays local-durable and training goes on; the next drain (or
-                # start) tries again. The last drain's failure fails the run at close.
-                self.drain_error = exc
-                what = "the newest checkpoint" if step is None else f"step {step}"
-                self.emit(
-                    f"warning: draining {what} to the store failed ({exc}); it stays "
-                    "local-durable and the next drain retries"
-                )
-                return
-            self.drain_error = None
-            if report is None or (report.drained and not report.uploaded_blobs and step is None):
-                return
-            if report.drained:
-                self.emit(
-                    f"drained step {report.step} to the store: {_mib(report.uploaded_bytes)} "
-                    f"in {report.seconds:.2f}s (remote-durable)"
-                )
-            else:
-                self.emit(
-                    f"step {report.step} stays local-durable: {report.stopped}; the next start "
-                    "drains the rest"
-                )
-
-        self.draining = asyncio.ensure_future(drain())
 
     def drain_leftover(self) -> None:
         """What an earlier start left local-durable (a stop on its time budget) goes to the
         store in the background, before anything this start saves."""
-        self._drain_after(None, None)
+        assert self.run is not None
+        self.drains.after(self.run, None, None)
 
     def tier_sources(self, info: CheckpointInfo) -> TierSources | None:
-        """Where ``info``'s blobs are, for the policy ranks that read it (None without tiers or
-        for another run's checkpoint, which the store holds)."""
-        run = self.run
-        if run is None or run.tiers is None or info.run != run.name:
-            return None
-        reachable = tuple(sorted(run.tiers.reachable(run.db)))
-        return TierSources(run.copies(info), reachable)
+        """Where ``info``'s blobs are, for the policy ranks that read it."""
+        return tier_sources(self.run, info)
 
     def _deadline(self) -> float | None:
         """The time budget's end as a ``time.monotonic()`` instant, or None."""
         if self.budget is None:
             return None
         return time.monotonic() + (self.process_start + self.budget - self.clock())
-
-    async def settle_drains(self) -> None:
-        """Wait for the drains in flight; the last one's failure is raised (a finished run
-        must leave its last checkpoint remote-durable)."""
-        task, self.draining = self.draining, None
-        if task is not None:
-            await task
-        error, self.drain_error = self.drain_error, None
-        if error is not None:
-            raise error
 
     # -- opening and restoring ------------------------------------------------------------------
 
@@ -378,22 +278,8 @@ class TrainerCheckpointer:
     def _lost_history(self) -> bool:
         """Whether the run has checkpoints that are all corrupt; refused unless start_fresh."""
         assert self.run is not None
-        steps = [c.step for c in self.run.checkpoints(["corrupt"])]
-        if not steps:
-            return False
-        name = self.run_name
-        if not self.ck.start_fresh:
-            raise ResumeError(
-                f"run {name!r} has no checkpoint to resume from: its checkpoints at steps "
-                f"{steps} are corrupt (`ckptstore show {name}@{steps[-1]}` says why). Re-run with "
-                "checkpointing.start_fresh=true to start it over from step 0 (the corrupt "
-                "checkpoints stay in its history), or choose another checkpointing.run_name"
-            )
-        self.emit(
-            f"warning: run {name!r} has no checkpoint that loads (steps {steps} are corrupt): "
-            "starting it over from step 0 (checkpointing.start_fresh=true)"
-        )
-        return True
+        corrupt = [c.step for c in self.run.checkpoints(["corrupt"])]
+        return start_over(self.ck, self.run_name, corrupt, self.emit)
 
     def policy_plan(self, run_name: str, step: int) -> ckpt_dcp.LoadPlan:
         """What the policy workers need to read the sharded policy of ``run_name`` at ``step``
@@ -536,7 +422,7 @@ class TrainerCheckpointer:
         )
         self.committing = handle
         if self.tiers is not None and pending.trigger != "local":
-            self._drain_after(handle, pending.step)
+            self.drains.after(run, handle, pending.step)
         self.report()
 
     def report(self) -> None:
@@ -553,19 +439,8 @@ class TrainerCheckpointer:
             self._emit_saved(handle.wait())
 
     def _emit_saved(self, info: CheckpointInfo) -> None:
-        where = " to the node-local tiers" if info.status == "local" else ""
-        self.emit(
-            f"saved step {info.step} ({info.trigger}){where}: {_mib(info.logical_bytes)} logical, "
-            f"{_mib(info.uploaded_bytes)} uploaded, {_mib(info.deduplicated_bytes)} deduplicated, "
-            f"blocked {info.blocked_seconds or 0:.3f}s, save {info.save_seconds or 0:.2f}s"
-        )
-        stale = (info.training_info or {}).get("stale_components")
-        if stale:
-            self.emit(
-                f"WARNING: step {info.step} stored the same {', '.join(stale)} as the previous "
-                "checkpoint although training steps happened in between: the saved weights are "
-                "stale (recorded in training_info.stale_components)"
-            )
+        for line in saved_lines(info):
+            self.emit(line)
 
     async def close(self, policy: Any, error: BaseException | None) -> None:
         """Commit the pending save, then close the run, the replay-buffer writer, the database
@@ -579,7 +454,7 @@ class TrainerCheckpointer:
                 await self.flush(policy)
             # A finished run leaves its last checkpoint remote-durable (one stopping on its
             # time budget, what fits before it).
-            await self.settle_drains()
+            await self.drains.settle()
         except Exception as exc:
             if error is None:
                 failure = exc

@@ -20,7 +20,6 @@ import torch
 from tensordict import TensorDict
 
 from ckptstore import IntegrityError, LoadedCheckpoint
-from ckptstore.floor import RayTransport, put_nonce, remove_nonce
 from trainer import actors
 from trainer.checkpointing import TrainerCheckpointer
 from trainer.config import TrainerConfig
@@ -34,7 +33,7 @@ from trainer.rollouts import RolloutPump
 from trainer.samplers import make_sampler
 from trainer.sharded import PolicyGroup
 from trainer.task import PromptDataset
-from trainer.tiering import tier_node
+from trainer.tiering import check_store, start_tiers
 from trainer.trace import PromptTrace
 from trainer.watchdog import StallError, Watchdog, diagnose
 from trainer.workers import PolicyWorker, RolloutWorker, TrainStats, policy_config
@@ -150,8 +149,8 @@ class Controller(RolloutPump):
         self._cond = asyncio.Condition()
         self.permits = asyncio.Semaphore(self.capacity)
         if checkpointer.enabled:
-            await self._check_store()
-            await self._start_tiers()
+            await check_store(checkpointer, self.policy)
+            await start_tiers(cfg, checkpointer, self.policy)
             await asyncio.to_thread(checkpointer.open)
             if checkpointer.tiers is not None:
                 checkpointer.drain_leftover()
@@ -162,35 +161,6 @@ class Controller(RolloutPump):
             if restored is not None:
                 await self._apply(restored)
         await self._sync_weights(self.train_steps)
-
-    async def _check_store(self) -> None:
-        """Every node the policy runs on sees the controller's store (DESIGN.md §13): a nonce
-        written here is read back there, before anything is trained or saved."""
-        _, store = await asyncio.to_thread(self.checkpointer.locations)
-        key, nonce = await asyncio.to_thread(put_nonce, store)
-        try:
-            await self.policy.check_store.remote(key, nonce)
-        finally:
-            await asyncio.to_thread(remove_nonce, store, key)
-
-    async def _start_tiers(self) -> None:
-        """With checkpointing.local_dir: the job's nodes (this one and the policy's), a tier
-        agent on each (Ray), and the policy's saves routed through the tiers."""
-        cfg = self.cfg
-        local_dir = cfg.checkpointing.local_dir
-        if local_dir is None:
-            return
-        me, my_id = tier_node()
-        found = await self.policy.tier_node.remote()
-        workers = found if isinstance(found, list) else [found]
-        nodes = dict([(me, my_id), *workers])
-        transport = None
-        if cfg.backend == "ray":
-            transport = RayTransport(local_dir)
-            ids = {name: node_id for name, node_id in nodes.items() if node_id is not None}
-            await asyncio.to_thread(transport.start, ids)
-        tiers = self.checkpointer.use_tiers(me, list(nodes), transport)
-        await self.policy.use_tiers.remote(tiers)
 
     def _base_weights(self) -> dict[str, torch.Tensor]:
         torch.manual_seed(self.cfg.seed)

@@ -1,11 +1,11 @@
-"""A trainer save between its snapshots and its commit (``trainer/checkpointing.py``)."""
+"""A save in progress (snapshot taken, uploads running), and what is printed once committed."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore import ShardSave
+from ckptstore import CheckpointInfo, ShardSave
 
 
 @dataclass
@@ -30,3 +30,25 @@ def settle(save: ShardSave, failure: BaseException) -> None:
         save.receipts()
     except Exception as exc:
         failure.add_note(f"trainer: the replay buffer's upload failed too: {exc!r}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def saved_lines(info: CheckpointInfo) -> list[str]:
+    """What the trainer prints of a committed save (and a warning if it stored stale state)."""
+    where = " to the node-local tiers" if info.status == "local" else ""
+    lines = [
+        f"saved step {info.step} ({info.trigger}){where}: {_mib(info.logical_bytes)} logical, "
+        f"{_mib(info.uploaded_bytes)} uploaded, {_mib(info.deduplicated_bytes)} deduplicated, "
+        f"blocked {info.blocked_seconds or 0:.3f}s, save {info.save_seconds or 0:.2f}s"
+    ]
+    stale = (info.training_info or {}).get("stale_components")
+    if stale:
+        lines.append(
+            f"WARNING: step {info.step} stored the same {', '.join(stale)} as the previous "
+            "checkpoint although training steps happened in between: the saved weights are "
+            "stale (recorded in training_info.stale_components)"
+        )
+    return lines

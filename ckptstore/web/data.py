@@ -5,7 +5,8 @@ Everything is read through the manifest's read functions (:mod:`ckptstore.manife
 :mod:`~ckptstore.manifest.reporting`, :mod:`~ckptstore.manifest.serving`) on a database
 opened read-only, and, for state-dict names only, the component indexes in the store. The
 records inside are the CLI's: a run's summary is ``ckptstore runs --json``'s, a checkpoint
-``ckptstore show --json``'s, usage ``ckptstore du --json``'s.
+``ckptstore ls --json``'s and ``show --json``'s (with its durability and replica count:
+:mod:`ckptstore.web.durability`), usage ``ckptstore du --json``'s.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from ckptstore.manifest.serving import (
 from ckptstore.manifest.statuses import Status
 from ckptstore.web import commands
 from ckptstore.web.compare import TensorDiff, compare, counts
+from ckptstore.web.durability import CheckpointRecord, records
 from ckptstore.web.entries import IndexCache, Piece, TensorRow, layout_of, tensor_rows
 from ckptstore.web.fate import Fate, fates, metric_value, policy_of, ranked_by_metric
 
@@ -147,7 +149,7 @@ def changes(site: Site, run: str | None) -> str:
 class CheckpointRow:
     """A checkpoint of the run page's table (``ckptstore ls --json``'s record) and its fate."""
 
-    checkpoint: CheckpointInfo
+    checkpoint: CheckpointRecord
     fate: Fate
 
 
@@ -229,7 +231,7 @@ def run_page(
         forks=[ln for ln in lines if ln.parent_checkpoint_id in own],
         tracker_url=tracker_url(run.config),
         metrics=metric_names(every, run.metric_name),
-        checkpoints=[CheckpointRow(c, fate[c.id]) for c in rows],
+        checkpoints=[CheckpointRow(c, fate[c.info.id]) for c in records(site.db, rows)],
         page=page,
         pages=max(1, math.ceil(total / PER_PAGE)),
         status=status,
@@ -283,7 +285,7 @@ class CheckpointView:
     """The checkpoint page: ``ckptstore show --json``'s record, its run, its fate, its
     state-dict names (or why they could not be read), its lineage and how to use it."""
 
-    checkpoint: CheckpointInfo
+    checkpoint: CheckpointRecord
     run: RunInfo
     fate: Fate
     layout: str
@@ -312,7 +314,7 @@ def checkpoint_view(site: Site, checkpoint_id: int, *, tensors: bool = True) -> 
         p for p in every if p.status == Status.COMMITTED and (p.step, p.id) < (info.step, info.id)
     ]
     return CheckpointView(
-        checkpoint=info,
+        checkpoint=records(site.db, [info])[0],
         run=run,
         fate=fate,
         layout=layout_of(info.components),

@@ -34,7 +34,8 @@ class Policy:
 
 @dataclass(frozen=True, slots=True)
 class Fate:
-    """A checkpoint's status in a word (kept, deleted, failed, corrupt, pending) and why."""
+    """A checkpoint's status in a word (kept, deleted, failed, corrupt, pending, local) and
+    why."""
 
     verdict: str
     why: str
@@ -83,6 +84,8 @@ def fates(
             key = (p.status, p.error or "deleted by retention")
         elif p.status == Status.PENDING:
             key = (p.status, "being saved (or its writer died; gc marks it failed)")
+        elif p.status == Status.LOCAL:
+            key = (p.status, "on node-local tiers only: a drain commits it")
         else:
             key = (p.status, p.error or p.status)
         found[p.id] = shared.get(key) or shared.setdefault(key, Fate(*key))

@@ -8,6 +8,7 @@ from typing import Any
 from ckptstore.manifest.statuses import Status
 from ckptstore.web.compare import SAME
 from ckptstore.web.data import CheckpointView, CompareView, HistoryPoint, RunView
+from ckptstore.web.durability import MEANING, CheckpointRecord, durability_text
 from ckptstore.web.layout import (
     checkpoint_link,
     counts_line,
@@ -135,13 +136,14 @@ def charts(view: RunView, history: Sequence[HistoryPoint]) -> list[Markup]:
 def _checkpoint_table(view: RunView) -> Markup:
     rows = []
     for i, row in enumerate(view.checkpoints):
-        c = row.checkpoint
+        c = row.checkpoint.info
         rows.append(
             (
                 void("input", type="radio", name="a", value=c.id, checked=i == 1, aria_label="A"),
                 void("input", type="radio", name="b", value=c.id, checked=i == 0, aria_label="B"),
                 link(checkpoint_url(c.id), c.step, class_="step"),
                 status_badge(c.status),
+                _durability_cell(row.checkpoint),
                 c.trigger,
                 el("span", row.fate.why, class_=f"fate {row.fate.verdict}"),
                 when(c.committed_at),
@@ -153,8 +155,8 @@ def _checkpoint_table(view: RunView) -> Markup:
                 metrics_text(c.metrics),
             )
         )
-    headers = ("A", "B", "step", "status", "trigger", "fate", "committed", "logical", "uploaded",
-               "reused", "save s", "blocked s", "metrics")  # fmt: skip
+    headers = ("A", "B", "step", "status", "durability", "trigger", "fate", "committed",
+               "logical", "uploaded", "reused", "save s", "blocked s", "metrics")  # fmt: skip
     compare = el("button", "Compare A with B", type="submit") if len(rows) > 1 else None
     return join(
         [
@@ -169,6 +171,13 @@ def _checkpoint_table(view: RunView) -> Markup:
             _pager(view),
         ]
     )
+
+
+def _durability_cell(record: CheckpointRecord) -> Markup:
+    """What the checkpoint survives and its fewest tier copies (``local, 2 tier copies``),
+    ``-`` for a checkpoint that is not loadable."""
+    kind = record.durability or "none"
+    return el("span", durability_text(record), class_=f"durability {kind}")
 
 
 def _filters(view: RunView) -> Markup:
@@ -207,10 +216,12 @@ def _pager(view: RunView) -> Markup:
 
 def checkpoint_page(view: CheckpointView) -> Markup:
     """One checkpoint: facts, components, state-dict names, lineage, commands."""
-    c = view.checkpoint
+    c = view.checkpoint.info
+    meaning = MEANING.get(view.checkpoint.durability or "", "not loadable")
     facts: dict[str, Any] = {
         "run": run_link(c.run),
         "status": join([status_badge(c.status), " ", el("span", view.fate.why, class_="fate")]),
+        "durability": join([_durability_cell(view.checkpoint), f" ({meaning})"]),
         "trigger": c.trigger,
         "id": c.id,
         "writer epoch": c.writer_epoch,
@@ -275,7 +286,7 @@ def _lineage(view: CheckpointView) -> Markup:
 
 
 def _compare_form(view: CheckpointView) -> Markup:
-    c = view.checkpoint
+    c = view.checkpoint.info
     quick = (
         el(
             "p",
@@ -345,7 +356,7 @@ def _tensors(view: CheckpointView) -> Markup:
             el(
                 "p",
                 f"{more} more: see ",
-                link(f"/api{checkpoint_url(view.checkpoint.id)}", "the JSON"),
+                link(f"/api{checkpoint_url(view.checkpoint.info.id)}", "the JSON"),
                 class_="more",
             )
             if more > 0

@@ -31,6 +31,7 @@ from ckptstore.manifest import reading as reads
 from ckptstore.names import parse_target
 from ckptstore.web import data, pages, pages_run
 from ckptstore.web.data import Site
+from ckptstore.web.durability import CheckpointRecord
 from ckptstore.web.markup import Markup
 
 _DIGITS = re.compile(r"[0-9]{1,18}")
@@ -66,7 +67,15 @@ def json_response(payload: Any, status: int = 200) -> Response:
 
 def plain(value: Any) -> Any:
     """``value`` with every record as a dict of its fields: what ``dataclasses.asdict`` (the
-    CLI's ``--json``) gives, without its deep copies (a run's history is 10,000 records)."""
+    CLI's ``--json``) gives, without its deep copies (a run's history is 10,000 records). A
+    checkpoint's record is its fields with ``durability`` and ``replicas`` after them, as
+    ``ckptstore ls --json`` and ``show --json`` print it."""
+    if isinstance(value, CheckpointRecord):
+        return {
+            **plain(value.info),
+            "durability": value.durability,
+            "replicas": value.replicas,
+        }
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {name: plain(getattr(value, name)) for name in _fields(type(value))}
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple record

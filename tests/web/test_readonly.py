@@ -144,7 +144,7 @@ def test_postgresql_every_page_renders(pg_login: tuple[str, str], tmp_path: Path
     site = Site(open_readonly(login), str(tmp_path / "store"), db_label=login)
     app = App(site)
     try:
-        ids = [row.checkpoint.id for row in data.run_view(site, "r").checkpoints]
+        ids = [row.checkpoint.info.id for row in data.run_view(site, "r").checkpoints]
         for path, query in (
             ((), {}),
             (("lineage",), {}),
