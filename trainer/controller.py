@@ -33,7 +33,7 @@ from trainer.rollouts import RolloutPump
 from trainer.samplers import make_sampler
 from trainer.sharded import PolicyGroup
 from trainer.task import PromptDataset
-from trainer.tiering import check_store, start_tiers
+from trainer.tiering import check_store, resume_reads, start_tiers
 from trainer.trace import PromptTrace
 from trainer.watchdog import StallError, Watchdog, diagnose
 from trainer.workers import PolicyWorker, RolloutWorker, TrainStats, policy_config
@@ -190,12 +190,14 @@ class Controller(RolloutPump):
                 return None
             restored = self._read(loaded)
             try:
-                await self._restore_policy(restored)
+                policy_read = await self._restore_policy(restored)
             except IntegrityError as exc:
                 if not restored.sharded:
                     raise
                 await asyncio.to_thread(checkpointer.condemn, loaded.info, exc)
                 continue
+            if checkpointer.tiers is not None:
+                self.emit(resume_reads(loaded, policy_read))
             return restored
 
     async def _apply(self, restored: Restored) -> None:
@@ -221,17 +223,21 @@ class Controller(RolloutPump):
             f"groups, {len(self.ledger.redispatch)} prompts to re-dispatch"
         )
 
-    async def _restore_policy(self, restored: Restored) -> None:
+    async def _restore_policy(self, restored: Restored) -> dict[str, int]:
+        """Load the policy; the bytes its workers read from each node's tier and the store
+        (a sharded policy read through the tiers; else nothing: the controller read it)."""
         checkpointer = self.checkpointer
         if restored.sharded and not (restored.run != self.run_name and checkpointer.fork_fresh):
             plan = await asyncio.to_thread(checkpointer.policy_plan, restored.run, restored.step)
             sources = await asyncio.to_thread(checkpointer.tier_sources, plan.info)
-            await self.policy.load_sharded.remote(plan, restored.sharded_optimizer, sources)
-            return
+            read: dict[str, int] = await self.policy.load_sharded.remote(
+                plan, restored.sharded_optimizer, sources
+            )
+            return read
         if not restored.sharded and await self.policy.load.remote(
             restored.policy, restored.optimizer
         ):
-            return
+            return {}
         if restored.run == self.run_name:
             raise ResumeError(
                 f"{restored.where}: the saved policy does not fit the configured model; the "
@@ -242,6 +248,7 @@ class Controller(RolloutPump):
             f"{self.checkpointer.base_name!r} (fork_init=fresh) and keeps the training state "
             f"of {restored.where}"
         )
+        return {}
 
     # -- the pumps ------------------------------------------------------------------------------
 

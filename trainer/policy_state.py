@@ -75,20 +75,24 @@ def load_sharded(
     store: str,
     tiers: TierConfig | None = None,
     sources: TierSources | None = None,
-) -> None:
+) -> dict[str, int]:
     """Load a sharded checkpoint (``plan``, resolved by the controller) into this rank's part
     of the policy, from the store (with ``tiers`` and ``sources``: each blob from its nearest
-    copy on the node-local tiers): a worker never opens the manifest database. Raises
+    copy on the node-local tiers; returns the bytes read from each node's tier and from the
+    store, ``"store"``): a worker never opens the manifest database. Raises
     ckptstore's ``IntegrityError`` on every rank when the stored data is damaged (the
     controller marks the checkpoint corrupt and picks the previous one)."""
     state = sharded_state(model, optimizer, with_optimizer)
+    read: dict[str, int] = {}
     if tiers is None or sources is None:
         ckpt_dcp.load(state, plan, store=store, fallback=False)
     else:
         with open_store(store, create=False) as remote:
             nearest = nearest_copies(tiers, sources.copies, sources.reachable, remote)
             ckpt_dcp.load(state, plan, store=nearest, fallback=False)
+            read = {node or "store": n for node, n in nearest.read_from.items()}
     apply_sharded_state(model, optimizer, state)
+    return read
 
 
 def whole_fits(model: torch.nn.Module, policy: dict[str, torch.Tensor]) -> bool:

@@ -218,12 +218,12 @@ class PolicyRank:
 
     def load_sharded(
         self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
-    ) -> None:
+    ) -> dict[str, int]:
         """Read this rank's shard of a sharded checkpoint (any number of saving ranks); with
         ``sources``, each blob from its nearest copy on the node-local tiers."""
         if self.store is None:
             raise RuntimeError("this policy rank was started without a checkpoint store")
-        load_sharded(
+        return load_sharded(
             self.model, self._optim(), plan, with_optimizer, self.store, self.tiers, sources
         )
 
@@ -418,10 +418,16 @@ class PolicyGroup:
 
     async def _load_sharded(
         self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
-    ) -> None:
-        await self._all(
+    ) -> dict[str, int]:
+        """Every rank reads its shard; the bytes they read from each source, summed."""
+        reads: list[dict[str, int]] = await self._all(
             [rank.load_sharded.remote(plan, with_optimizer, sources) for rank in self.ranks]
         )
+        total: dict[str, int] = {}
+        for read in reads:
+            for source, n in read.items():
+                total[source] = total.get(source, 0) + n
+        return total
 
     async def _tier_node(self) -> list[tuple[str, str | None]]:
         """Every rank's node (tier name, Ray node id)."""

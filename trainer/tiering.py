@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptstore import CheckpointInfo, CkptStoreError, Run, SaveHandle
+from ckptstore import CheckpointInfo, CkptStoreError, LoadedCheckpoint, Run, SaveHandle
 from ckptstore.floor import (
     ObjectStore,
     RayTransport,
@@ -109,6 +109,19 @@ def tier_sources(run: Run | None, info: CheckpointInfo) -> TierSources | None:
         return None
     reachable = tuple(sorted(run.tiers.reachable(run.db)))
     return TierSources(run.copies(info), reachable)
+
+
+def resume_reads(loaded: LoadedCheckpoint, policy_read: dict[str, int]) -> str:
+    """The line that says where a resume read its bytes: each node's tier, the store."""
+    total = dict(loaded.read_bytes)
+    for source, n in policy_read.items():
+        total[source] = total.get(source, 0) + n
+    tiers = sorted((source, n) for source, n in total.items() if source != "store")
+    listed = ", ".join(f"{node} {n / 2**20:.2f} MiB" for node, n in tiers) or "none"
+    return (
+        f"resume read step {loaded.info.step} ({loaded.info.status}) from node-local tiers: "
+        f"{listed}; from the store: {total.get('store', 0) / 2**20:.2f} MiB"
+    )
 
 
 class Drains:

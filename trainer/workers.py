@@ -234,12 +234,14 @@ class PolicyWorker:
 
     def load_sharded(
         self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
-    ) -> None:
+    ) -> dict[str, int]:
         """Restore a policy saved sharded by N workers (``policy.num_workers`` > 1), gathered
         into this one worker by DCP (with ``sources``: from the nearest tier copies)."""
         assert self.store is not None
         tiers = on_this_node(self.tiers) if self.tiers is not None else None
-        load_sharded(self.model, self.optimizer, plan, with_optimizer, self.store, tiers, sources)
+        return load_sharded(
+            self.model, self.optimizer, plan, with_optimizer, self.store, tiers, sources
+        )
 
     def close(self) -> None:
         if self.shards is not None:

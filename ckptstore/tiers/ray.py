@@ -122,7 +122,8 @@ class RayTransport:
             )
             handle: Any = agent.remote(self.local_dir, node, self.fsync)
             pings.append(handle.ping.remote())
-        ray.get(pings, timeout=CALL_SECONDS)
+        for ping in pings:
+            _wait(ping, CALL_SECONDS)
 
     def _agent(self, node: str) -> Any:
         import ray
@@ -142,10 +143,8 @@ class RayTransport:
         return {node for node, ok in answers.items() if ok}
 
     def _answers(self, node: str) -> bool:
-        import ray
-
         try:
-            return bool(ray.get(self._agent(node).ping.remote(), timeout=PING_SECONDS) == node)
+            return bool(_wait(self._agent(node).ping.remote(), PING_SECONDS) == node)
         except Exception:  # a dead actor, a lost node, a timeout: not reachable now
             return False
 
@@ -159,6 +158,12 @@ class RayTransport:
     def close(self) -> None:
         """Nothing to release: the agents live as long as the job."""
         self._stores.clear()
+
+
+def _wait(ref: Any, timeout: float) -> Any:
+    """The result of a Ray call, waited for as a future: the caller is a thread of its own (an
+    async actor's ``ray.get`` would warn that it blocks the event loop, which it does not)."""
+    return ref.future().result(timeout=timeout)
 
 
 class AgentStore(ObjectStore):
@@ -181,7 +186,7 @@ class AgentStore(ObjectStore):
 
         agent = self._transport._agent(self.node)
         try:
-            return ray.get(getattr(agent, method).remote(*args), timeout=CALL_SECONDS)
+            return _wait(getattr(agent, method).remote(*args), CALL_SECONDS)
         except CkptStoreError:
             raise
         except ray.exceptions.RayTaskError as exc:

@@ -41,7 +41,9 @@ def records(db: Database, checkpoints: Sequence[CheckpointInfo]) -> list[Checkpo
     if not checkpoints:
         return []
     replicas = reads.replica_counts(db, [c.id for c in checkpoints])
-    return [CheckpointRecord(c, reads.durability(c.status), replicas.get(c.id)) for c in checkpoints]
+    return [
+        CheckpointRecord(c, reads.durability(c.status), replicas.get(c.id)) for c in checkpoints
+    ]
 
 
 def durability_text(record: CheckpointRecord) -> str:

@@ -60,6 +60,9 @@ def test_local_saves_every_step_drain_every_save_period_and_a_finished_run_is_re
     summary, lines = train(tiered(tmp_path, grpo__max_num_steps=8))
     assert summary["train_steps"] == 8
     assert any(x.startswith("resumed run 't' from step 6") for x in lines), lines
+    # The tier still held step 6: nothing was read from the store.
+    (read,) = [x for x in lines if x.startswith("resume read step 6 (committed)")]
+    assert read.endswith("from the store: 0.00 MiB"), read
 
 
 def test_a_stop_on_the_time_budget_leaves_the_rest_of_its_drain_to_the_next_start(
@@ -99,4 +102,6 @@ def test_a_lost_tier_resumes_from_the_newest_checkpoint_in_the_store(tmp_path: P
         shutil.rmtree(tier)  # the node's disk is gone with everything local on it
     summary, lines = train(tiered(tmp_path, grpo__max_num_steps=8))
     assert any(x.startswith("resumed run 't' from step 3") for x in lines), lines
+    (read,) = [x for x in lines if x.startswith("resume read step 3 (committed)")]
+    assert "from node-local tiers: none;" in read, read
     assert summary["train_steps"] == 8
