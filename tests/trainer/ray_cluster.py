@@ -79,20 +79,41 @@ class LocalCluster:
                 process.kill()
         psutil.wait_procs(machine, timeout=EXIT_SECONDS)
 
+    def add(self, resources: dict[str, float], env: dict[str, str] | None = None) -> Any:
+        """A new worker node (a spare that replaces a lost one), started and registered."""
+        node = self.cluster.add_node(
+            num_cpus=1, resources=dict(resources), **({"env_vars": env} if env else {})
+        )
+        self.cluster.wait_for_nodes()
+        self.workers.append(node)
+        return node
+
 
 @contextmanager
-def local_cluster(workers: int, worker_resources: dict[str, float]) -> Iterator[LocalCluster]:
+def local_cluster(
+    workers: int,
+    worker_resources: dict[str, float],
+    *,
+    names: Sequence[str] | None = None,
+) -> Iterator[LocalCluster]:
     """A head (no custom resources, so only the driver's actors go there unless placed) and
     ``workers`` worker nodes with ``worker_resources`` each; shut down afterwards, whatever
     happened. Ray reads its settings (RAY_TMPDIR, RAY_AUTH_MODE, ...) and its workers inherit
-    PYTHONPATH and the S3 settings from this process's environment: set them first."""
+    PYTHONPATH and the S3 settings from this process's environment: set them first.
+
+    ``names``: the nodes' names for node-local tiers (``$CKPTSTORE_NODE`` of every process on
+    the node: all of them share one host name here), the head's first."""
     from ray.cluster_utils import Cluster
 
-    head = {"num_cpus": 1, "include_dashboard": False}
+    def env(i: int) -> dict[str, Any]:
+        return {"env_vars": {"CKPTSTORE_NODE": names[i]}} if names else {}
+
+    head = {"num_cpus": 1, "include_dashboard": False, **env(0)}
     cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
         nodes = [
-            cluster.add_node(num_cpus=1, resources=dict(worker_resources)) for _ in range(workers)
+            cluster.add_node(num_cpus=1, resources=dict(worker_resources), **env(i + 1))
+            for i in range(workers)
         ]
         cluster.wait_for_nodes()
         yield LocalCluster(cluster, cluster.head_node, nodes)
