@@ -65,9 +65,10 @@ class Run:
         #: The live blobs this run's current save will likely share (refreshed per save).
         self._live: frozenset[str] = frozenset()
         self._blobs = BlobWriter(store, writer_options, known=self._is_live_blob)
-        #: Writes this process's components to the tiers (a local save): its own tier answers
-        #: what is there already, so no manifest query decides it.
-        self._tier_blobs = BlobWriter(tiers.writer(), writer_options) if tiers is not None else None
+        #: Writes this process's components to the tiers (a local save; made at the first):
+        #: its own tier answers what is there already, so no manifest query decides it.
+        self._tier_blobs: BlobWriter | None = None
+        self._writer_options = writer_options
         self._queue: OneInFlight[SaveHandle] = OneInFlight(f"ckpt-save-{name}")
         self._closed = False
 
@@ -195,10 +196,12 @@ class Run:
             )
         tiers = self.tiers
         assert tiers is not None
-        assert self._tier_blobs is not None
+        store = tiers.writer(self.db)
+        if self._tier_blobs is None:
+            self._tier_blobs = BlobWriter(store, self._writer_options)
         return commit.Writer(
             self.db,
-            tiers.writer(),
+            store,
             self._tier_blobs,
             self.id,
             self.name,
@@ -207,7 +210,7 @@ class Run:
             local=commit.LocalCommit(
                 replicas=tiers.replicas,
                 check_copies=tiers.check_copies,
-                nodes=tiers.writer().nodes,
+                nodes=store.nodes,
                 after=lambda: tiers.keep_bounded(self.db, self.id, tiers.reachable(self.db)),
             ),
         )

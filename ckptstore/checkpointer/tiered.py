@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from ckptstore.cas.digest import blob_key, digest_from_key
-from ckptstore.errors import CkptStoreError, ObjectStoreError
+from ckptstore.errors import CkptStoreError, ConfigError, ObjectStoreError
 from ckptstore.manifest import tiering
 from ckptstore.manifest.db import Database
 from ckptstore.objectstore import LocalStore, ObjectStore
@@ -39,13 +39,18 @@ def transport_of(config: TierConfig) -> Transport:
 
 
 def writer_store(
-    config: TierConfig, *, node: str | None = None, transport: Transport | None = None
+    config: TierConfig,
+    *,
+    node: str | None = None,
+    transport: Transport | None = None,
+    ring: Iterable[str] | None = None,
 ) -> ReplicatingStore:
     """What a writer on ``node`` (this process's by default) saves through: its own tier, and
-    the tiers of the next R - 1 nodes of the ring. Hand it to a ``ShardWriter``: its receipts
-    then name the nodes holding their blobs."""
+    the tiers of the next R - 1 nodes of the ring (``ring``: the job's nodes that are up; by
+    default all of ``config``'s). Hand it to a ``ShardWriter``: its receipts then name the
+    nodes holding their blobs."""
     me = node or config.this_node()
-    nodes = replica_nodes(config.ring(), me, config.replica_count())
+    nodes = replica_nodes(sorted({*(ring or config.ring()), me}), me, config.replica_count())
     reach = transport or transport_of(config)
     peers = {peer: reach.tier(peer) for peer in nodes[1:]}
     return ReplicatingStore(me, own_tier(config, me), peers)
@@ -115,10 +120,21 @@ class Tiers:
             f"replicas={self.replicas})"
         )
 
-    def writer(self) -> ReplicatingStore:
-        """This node's writer store (made once)."""
+    def writer(self, db: Database) -> ReplicatingStore:
+        """This node's writer store, made at the first local save: its replicas go to the
+        job's nodes whose tiers answer then (a lost node's are not written to; fewer nodes up
+        than R is a ``ConfigError`` naming them)."""
         if self._writer is None:
-            self._writer = writer_store(self.config, node=self.node, transport=self.transport)
+            up = self.reachable(db) & set(self.ring)
+            if len(up | {self.node}) < self.replicas:
+                raise ConfigError(
+                    f"a local save needs {self.replicas} nodes' tiers (TierConfig.replicas), "
+                    f"but only {', '.join(sorted(up)) or 'none'} of {', '.join(self.ring)} "
+                    "answer: lower replicas, or bring the nodes back"
+                )
+            self._writer = writer_store(
+                self.config, node=self.node, transport=self.transport, ring=up
+            )
         return self._writer
 
     def tier(self, node: str) -> ObjectStore:

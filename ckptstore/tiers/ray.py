@@ -92,6 +92,9 @@ class RayTransport:
         #: Names this job's agents apart from another job's on the same cluster.
         self.tag = tag or uuid.uuid4().hex[:12]
         self._stores: dict[str, AgentStore] = {}
+        #: The handles of the agents this process started: an actor whose every handle is gone
+        #: is stopped by Ray, name or not, so the starter keeps them for the job's life.
+        self._started: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"RayTransport({self.local_dir!r}, tag={self.tag!r})"
@@ -121,6 +124,7 @@ class RayTransport:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
             )
             handle: Any = agent.remote(self.local_dir, node, self.fsync)
+            self._started[node] = handle
             pings.append(handle.ping.remote())
         for ping in pings:
             _wait(ping, CALL_SECONDS)
@@ -156,7 +160,7 @@ class RayTransport:
         return store
 
     def close(self) -> None:
-        """Nothing to release: the agents live as long as the job."""
+        """Forget the tiers opened (the agents this process started stop with it)."""
         self._stores.clear()
 
 
