@@ -220,27 +220,11 @@ class Tiers:
 
     def sweep(self, db: Database, *, older_than: float = 0.0) -> tuple[int, int]:
         """What this node's tier holds that the manifest does not know (a crash between the
-        copies and the commit, a copy evicted while its node was away): removed, with
-        unfinished writes, if older than ``older_than`` seconds. A scan, for cleaning only:
-        what is recoverable is never decided by one. Returns (objects, bytes) removed."""
-        own = self.own
-        if own is None:
+        copies and the commit, a copy evicted while its node was away), removed with
+        unfinished writes if older than ``older_than`` seconds: :func:`sweep_tier`."""
+        if self.own is None:
             return 0, 0
-        cutoff = time.time() - older_than
-        count, size = own.sweep_incomplete(older_than)
-        found: dict[str, int] = {}
-        for info in own.list("cas/"):
-            if info.mtime > cutoff or TMP_PREFIX in info.key:
-                continue
-            digest = digest_from_key(info.key)
-            if digest is not None:
-                found[digest] = info.size
-        if not found:
-            return count, size
-        known = tiering.known_copies(db, self.node, sorted(found))
-        unknown = sorted(set(found) - known)
-        own.delete([blob_key(d) for d in unknown])
-        return count + len(unknown), size + sum(found[d] for d in unknown)
+        return sweep_tier(db, self.node, self.own, older_than=older_than)
 
     def close(self) -> None:
         """Release the writer's threads and the transport (if this opened it)."""
@@ -250,3 +234,47 @@ class Tiers:
             self.own.close()
         if self._owns_transport:
             self.transport.close()
+
+
+def sweep_tier(
+    db: Database, node: str, tier: ObjectStore, *, older_than: float, dry_run: bool = False
+) -> tuple[int, int]:
+    """Remove from ``node``'s tier every object older than ``older_than`` seconds that no copy
+    row knows, and unfinished writes: (objects, bytes). A scan, for cleaning only: what is
+    recoverable is never decided by one. A save in flight on that tier has no rows yet: with
+    ``older_than`` 0 (a writer's own start) only this node's writer may be running."""
+    cutoff = time.time() - older_than
+    count, size = tier.sweep_incomplete(older_than, dry_run=dry_run)
+    found: dict[str, int] = {}
+    for info in tier.list("cas/"):
+        if info.mtime > cutoff or TMP_PREFIX in info.key:
+            continue
+        digest = digest_from_key(info.key)
+        if digest is not None:
+            found[digest] = info.size
+    if not found:
+        return count, size
+    unknown = sorted(set(found) - tiering.known_copies(db, node, sorted(found)))
+    if not dry_run:
+        tier.delete([blob_key(d) for d in unknown])
+    return count + len(unknown), size + sum(found[d] for d in unknown)
+
+
+def sweep_tiers(
+    db: Database, config: TierConfig, *, older_than: float, dry_run: bool = False
+) -> tuple[int, int, list[str]]:
+    """:func:`sweep_tier` on every tier reachable now of the nodes the manifest records copies
+    on (and ``config``'s): (objects, bytes, the nodes swept)."""
+    transport = transport_of(config)
+    try:
+        nodes = sorted(transport.reachable({*tiering.nodes(db), *config.nodes}))
+        count = size = 0
+        for node in nodes:
+            n, b = sweep_tier(
+                db, node, transport.tier(node), older_than=older_than, dry_run=dry_run
+            )
+            count, size = count + n, size + b
+        return count, size, nodes
+    finally:
+        if config.transport is None:
+            transport.close()

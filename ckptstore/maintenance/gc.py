@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 from ckptstore.cas.digest import blob_key, digest_from_key
+from ckptstore.checkpointer.tiered import sweep_tiers
 from ckptstore.errors import GcBusyError
 from ckptstore.manifest import collecting as garbage
 from ckptstore.manifest import repairing as transactions
@@ -44,7 +45,8 @@ from ckptstore.manifest.db import Database
 from ckptstore.manifest.models import utcnow
 
 if TYPE_CHECKING:
-    from ckptstore.objectstore import ObjectStore
+    from ckptstore.tiers import TierConfig
+from ckptstore.objectstore import ObjectStore
 
 __all__ = ["DEFAULT_GRACE", "GcBusyError", "GcReport", "collect_garbage", "gc_lease"]
 
@@ -84,6 +86,11 @@ class GcReport:
     #: The longest write transaction of the pass, in seconds (it held the GC lock, which
     #: commits wait for, at most that long).
     longest_batch_seconds: float = 0.0
+    #: Objects on node-local tiers that no copy row knows (older than the grace), and the
+    #: nodes whose tiers were reached (``tiers=``; none without).
+    tier_orphans: int = 0
+    tier_orphan_bytes: int = 0
+    tier_nodes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -142,8 +149,11 @@ def collect_garbage(
     dry_run: bool = False,
     release_corrupt: bool = False,
     progress: Progress | None = None,
+    tiers: TierConfig | None = None,
 ) -> GcReport:
-    """Run one mark-and-sweep pass; see the module docstring."""
+    """Run one mark-and-sweep pass; see the module docstring. ``tiers``: also remove from the
+    node-local tiers it can reach every object older than the grace that no copy row knows
+    (copies of blobs this pass deleted, leftovers of crashed saves)."""
     report = GcReport(
         dry_run=dry_run, grace_seconds=grace.total_seconds(), release_corrupt=release_corrupt
     )
@@ -164,6 +174,10 @@ def collect_garbage(
             report.incomplete, report.incomplete_bytes = store.sweep_incomplete(
                 grace.total_seconds(), dry_run=dry_run
             )
+        if tiers is not None:
+            with pass_.timed("tiers"):
+                found = sweep_tiers(db, tiers, older_than=grace.total_seconds(), dry_run=dry_run)
+                report.tier_orphans, report.tier_orphan_bytes, report.tier_nodes = found
     return report
 
 

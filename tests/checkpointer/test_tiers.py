@@ -393,3 +393,28 @@ def test_saving_local_without_tiers_is_refused_with_the_fix(db_url: str, store: 
             run.save(1, {"policy": state(1)}, durability="local")
         with pytest.raises(ConfigError, match="no node-local tiers to drain"):
             run.drain()
+
+
+def test_gc_with_local_dir_cleans_the_tiers_it_reaches_of_what_no_row_knows(
+    db_url: str, store: LocalStore, tiers: Tiers, tmp_path: Path
+) -> None:
+    from ckptstore.cas import Kind
+    from ckptstore.cas.blobs import put_blob
+
+    with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
+        run.save(1, {"policy": state(1)})
+    known = {n: tier_keys(tmp_path, n) for n in NODES}
+    stray = put_blob(LocalStore(tmp_path / "tier-b", fsync=False), b"orphan" * 64, Kind.CHUNK)
+    db = Database(db_url)
+    try:
+        grace = dt.timedelta(0)
+        dry = collect_garbage(db, store, grace=grace, dry_run=True, tiers=tiers("a"))
+        assert (dry.tier_orphans, dry.tier_nodes) == (1, ["a", "b", "c"])
+        assert blob_key(stray.digest) in tier_keys(tmp_path, "b")  # a dry run changes nothing
+        report = collect_garbage(db, store, grace=grace, tiers=tiers("a"))
+    finally:
+        db.close()
+    assert report.tier_orphans == 1
+    assert {n: tier_keys(tmp_path, n) for n in NODES} == known  # the local checkpoint's stay
+    with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
+        assert equal(run.load().state["policy"], state(1))

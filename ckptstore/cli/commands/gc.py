@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 from collections.abc import Sequence
 
 from ckptstore.cli.context import CliContext
@@ -13,12 +14,14 @@ from ckptstore.cli.protocol import Subparsers
 from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
 from ckptstore.maintenance.gc import DEFAULT_GRACE, GcReport, collect_garbage
+from ckptstore.settings import LOCAL_DIR_ENV
+from ckptstore.tiers import TierConfig
 
 
 def register(
     sub: Subparsers, parents: Sequence[argparse.ArgumentParser]
 ) -> argparse.ArgumentParser:
-    """``gc [--dry-run] [--grace G] [--release-corrupt]``."""
+    """``gc [--dry-run] [--grace G] [--release-corrupt] [--local-dir DIR]``."""
     parser = sub.add_parser("gc", parents=parents)
     parser.add_argument("--dry-run", action="store_true", help="only count what would be deleted")
     parser.add_argument(
@@ -34,6 +37,12 @@ def register(
         help="let blobs that only corrupt checkpoints hold be collected too (by default they "
         "are kept, as `ckptstore verify --recheck` or the next save may repair them)",
     )
+    parser.add_argument(
+        "--local-dir",
+        default=os.environ.get(LOCAL_DIR_ENV),
+        help="also clean the node-local tiers this machine reaches ({node} for the node's "
+        f"name; default ${LOCAL_DIR_ENV}): objects no copy row knows, older than the grace",
+    )
     return parser
 
 
@@ -47,6 +56,7 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
             dry_run=args.dry_run,
             release_corrupt=args.release_corrupt,
             progress=lambda _phase, n: bar.update(n),
+            tiers=TierConfig(local_dir=args.local_dir) if args.local_dir else None,
         )
     emit(args, report, text=_text(report, args.grace))
     return EXIT_OK
@@ -65,6 +75,11 @@ def _text(report: GcReport, grace: dt.timedelta) -> str:
         f"  unfinished {report.incomplete:5d} writes {human_bytes(report.incomplete_bytes)}"
         "  (temporary files, multipart uploads of writers that died, older than the grace)",
     ]
+    if report.tier_nodes:
+        lines.append(
+            f"  tiers     {report.tier_orphans:6d} objs   {human_bytes(report.tier_orphan_bytes)}"
+            f"  (on the tiers of {', '.join(report.tier_nodes)}: known to no copy row)"
+        )
     if report.kept_for_corrupt and not report.release_corrupt:
         lines.append(
             f"  kept      {report.kept_for_corrupt:6d} blobs  "
