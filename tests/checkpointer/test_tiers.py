@@ -418,3 +418,23 @@ def test_gc_with_local_dir_cleans_the_tiers_it_reaches_of_what_no_row_knows(
     assert {n: tier_keys(tmp_path, n) for n in NODES} == known  # the local checkpoint's stay
     with open_run("r", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
         assert equal(run.load().state["policy"], state(1))
+
+
+def test_a_dcp_save_and_load_of_a_run_with_tiers_go_through_the_tiers(
+    db_url: str, store: LocalStore, tiers: Tiers, tmp_path: Path
+) -> None:
+    from ckptstore.integrations import dcp as ckpt_dcp
+
+    saved = {"model": state(7), "step": 7}
+    with open_run("d", db=db_url, store=store, tiers=tiers("a"), async_save=False) as run:
+        info = ckpt_dcp.save(saved, run, 7)
+        assert info is not None
+        assert info.status == "local"
+        assert list(store.list("cas/")) == []
+    shutil.rmtree(tmp_path / "tier-a")  # the coordinator's node is lost: node b holds a copy
+    with open_run("d", db=db_url, store=store, tiers=tiers("c"), async_save=False) as run:
+        target = {"model": {k: torch.zeros_like(v) for k, v in state(7).items()}, "step": 0}
+        loaded = ckpt_dcp.load(target, run)
+    assert loaded.step == 7
+    assert equal(target["model"], state(7))
+    assert target["step"] == 7

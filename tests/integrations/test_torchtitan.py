@@ -425,3 +425,33 @@ def test_the_readme_example_resumes_two_fsdp_ranks_to_the_same_weights(tmp_path:
     straight = torchrun(tmp_path / "straight", script, 6)
     weights = re.compile(r"weights sum (\S+)")
     assert weights.findall(second) == weights.findall(straight) != []
+
+
+def test_with_local_dir_saves_go_to_the_tiers_are_drained_and_a_resume_reads_the_tier(
+    tmp_path: Path,
+) -> None:
+    tiers = str(tmp_path / "tier-{node}")
+    straight = Job(tmp_path / "straight")
+    straight.train(6)
+    first = Job(tmp_path / "resumed", local_dir=tiers)
+    first.train(4, final=6)  # saves steps 2 and 4 to the tier, then is preempted
+    first.checkpointer.close()  # drains the newest checkpoint before it exits
+    second = Job(tmp_path / "resumed", local_dir=tiers)
+    assert second.statuses() == [(2, "committed"), (4, "committed")]
+    # The tier survived the preemption: the resume reads it, and nothing from the store.
+    store = tmp_path / "resumed" / "checkpoint" / "store"
+    store.rename(store.with_name("store-away"))
+    store.mkdir()
+    try:
+        assert second.checkpointer.load() is True
+    finally:
+        store.rmdir()
+        store.with_name("store-away").rename(store)
+    assert second.train_state.step == 4
+    second.train(6)
+    assert_same(second.weights(), straight.weights())
+    for job in (straight, second):
+        job.checkpointer.close()
+    third = Job(tmp_path / "resumed", local_dir=tiers)
+    assert third.statuses()[-1] == (6, "committed")
+    third.checkpointer.close()

@@ -30,7 +30,7 @@ from ray_cluster import LocalCluster, local_cluster, run_trainer, trainer_proces
 from sqlalchemy import create_engine, text
 from trainer_helpers import CHECKOUT, checkout_env, small_overrides
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 RUN = "tiered"
 SLOT = {"policy_slot": 1}

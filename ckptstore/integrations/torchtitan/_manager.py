@@ -33,7 +33,14 @@ from torchtitan.config import (  # type: ignore[import-untyped,import-not-found,
 
 from ckptstore import RetentionPolicy, open_run
 from ckptstore.errors import ConfigError
-from ckptstore.floor import CheckpointInfo, Run, parse_step_id
+from ckptstore.floor import (
+    CheckpointInfo,
+    ObjectStore,
+    Run,
+    TierConfig,
+    parse_step_id,
+    writer_store,
+)
 from ckptstore.integrations.dcp import SnapshotStager, save
 from ckptstore.integrations.torchtitan._hf import export_last
 from ckptstore.integrations.torchtitan._resume import (
@@ -42,6 +49,7 @@ from ckptstore.integrations.torchtitan._resume import (
     parse_initial_load_path,
     resume,
 )
+from ckptstore.integrations.torchtitan._tiers import Drains, job_tiers
 
 if TYPE_CHECKING:
     import torch.nn as nn
@@ -78,6 +86,14 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         async_save: bool = False
         """Return from ``save`` once the state is copied into host memory; upload and commit
         in the background (the next save, ``close`` or the last step waits for it)."""
+        local_dir: str | None = None
+        """Node-local tiers (a RAM disk or NVMe; may contain ``{node}``): every save goes to
+        the tiers of ``local_replicas`` nodes and is committed local-durable, then drained to
+        ``store`` in the background; a resume reads each blob from its nearest copy. None:
+        saves go to the store."""
+        local_replicas: int = 1
+        """With ``local_dir``: on how many nodes' tiers each blob is before a save commits
+        (more than 1 needs every node's tier reachable from every node, e.g. mounted)."""
 
         def __post_init__(self) -> None:
             if not self.folder.strip():
@@ -105,6 +121,8 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
                 )
             if self.initial_load_path:
                 parse_initial_load_path(self.initial_load_path)
+            if self.local_dir is not None:
+                TierConfig(local_dir=self.local_dir, replicas=self.local_replicas)
 
     def __init__(
         self,
@@ -146,9 +164,15 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         # save must not queue collectives on the training group.
         self.pg = dist.new_group(backend="gloo") if config.async_save and distributed else None
         self.stager = SnapshotStager() if config.async_save else None
+        #: The job's node-local tiers (``local_dir``), and this rank's writer store on them.
+        self.tiers = job_tiers(config.local_dir, config.local_replicas, distributed)
+        self.drains = Drains()
         self.run: Run | None = None
         if not distributed or dist.get_rank() == 0:
             self.run = self._open_run(config)
+        self.tier_store = (
+            writer_store(self.tiers) if self.tiers is not None and self.run is None else None
+        )
         log.info("checkpointing to ckptstore run %r (store %s)", config.run, self.store_url)
 
     def _open_run(self, config: Config) -> Run:
@@ -168,6 +192,7 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             fork_from=fork,
             # A load_only job (an evaluation) must not fence the run's writer.
             writable=not config.load_only,
+            tiers=self.tiers,
         )
 
     # -- torchtitan's hooks --------------------------------------------------------------
@@ -183,7 +208,7 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
             return True
         result = save(
             self._flattened(self.states),
-            self.run if self.run is not None else self.store_url,
+            self._target(),
             curr_step,
             process_group=self.pg,
             async_save=self.config.async_save,
@@ -193,7 +218,15 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         )
         if isinstance(result, Future):
             self.save_future = result
+        elif self.run is not None and self.tiers is not None:
+            self.drains.start(self.run)  # the commit is done: to the store in the background
         return True
+
+    def _target(self) -> Run | ObjectStore | str:
+        """What this rank saves to: its run (rank 0), its tiers' writer store, or the store."""
+        if self.run is not None:
+            return self.run
+        return self.tier_store if self.tier_store is not None else self.store_url
 
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
         if self.config.load_only:
@@ -209,7 +242,7 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         states = self._model_for_export() if model_only else self._flattened(self.states)
         info = save(
             states,
-            self.run if self.run is not None else self.store_url,
+            self._target(),
             curr_step,
             trigger="last",
             training_info={"model_only": model_only},
@@ -250,7 +283,7 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
 
     def _load_choice(self, choice: Choice) -> None:
         states = self._states_to_load(choice.model_only)
-        load_choice(states, self.store_url, choice)
+        load_choice(states, self.store_url, choice, tiers=self.tiers)
         # The model's tensors are flattened into ``states``; ModelWrapper refreshes its cache.
         self.states[MODEL].load_state_dict(states)
 
@@ -263,15 +296,22 @@ class CkptStoreCheckpointManager(BaseCheckpointManager):  # type: ignore[misc]
         assert self.save_future is not None
         future, self.save_future = self.save_future, None
         future.result()
+        if self.run is not None and self.tiers is not None:
+            self.drains.start(self.run)
 
     def _close(self) -> None:
         """Finish the save in flight (raising its error), then release the run."""
         try:
             self.maybe_wait_for_saving()
+            if self.run is not None and self.tiers is not None:
+                # A finished job leaves its newest checkpoint remote-durable.
+                self.drains.finish(self.run)
         finally:
             if self.run is not None:
                 self.run.close()
                 self.run = None
+            if self.tier_store is not None:
+                self.tier_store.close()
 
     # -- what is saved and loaded ----------------------------------------------------------
 

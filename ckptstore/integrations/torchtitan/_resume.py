@@ -23,7 +23,16 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ckptstore import errors, open_run
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, ConfigError, IntegrityError
-from ckptstore.floor import CheckpointInfo, ObjectStore, Run, mark_corrupt, parse_step_id
+from ckptstore.floor import (
+    CheckpointInfo,
+    ObjectStore,
+    Run,
+    TierConfig,
+    mark_corrupt,
+    nearest_copies,
+    open_store,
+    parse_step_id,
+)
 from ckptstore.integrations.dcp import METADATA_COMPONENT, CkptStoreReader, NoPickleLoadPlanner
 
 log = logging.getLogger("ckptstore.integrations.torchtitan")
@@ -41,6 +50,10 @@ class Choice:
     model_only: bool
     #: It is another run's checkpoint (``initial_load_path``): no fallback past it.
     initial: bool = False
+    #: A run with node-local tiers: where each blob is (``Run.copies``) and the nodes whose
+    #: tiers answer, so every rank reads each blob from its nearest copy; None: the store.
+    copies: dict[str, tuple[bool, tuple[str, ...]]] | None = None
+    reachable: tuple[str, ...] = ()
 
 
 def parse_initial_load_path(path: str) -> tuple[str, int]:
@@ -87,7 +100,10 @@ def _choice(
         )
     saved_model_only = bool((info.training_info or {}).get("model_only", False))
     wanted = saved_model_only if model_only is None else model_only or saved_model_only
-    return Choice(run.name, info.step, digest, wanted, initial)
+    if run.tiers is None:
+        return Choice(run.name, info.step, digest, wanted, initial)
+    reachable = tuple(sorted(run.tiers.reachable(run.db)))
+    return Choice(run.name, info.step, digest, wanted, initial, run.copies(info), reachable)
 
 
 def share(choice: Choice | CkptStoreError | None) -> Choice | None:
@@ -107,7 +123,16 @@ def _as_message(choice: Choice | CkptStoreError | None) -> Any:
         return ("error", type(choice).__name__, str(choice))
     if choice is None:
         return None
-    return ("choice", choice.run, choice.step, choice.digest, choice.model_only, choice.initial)
+    return (
+        "choice",
+        choice.run,
+        choice.step,
+        choice.digest,
+        choice.model_only,
+        choice.initial,
+        choice.copies,
+        choice.reachable,
+    )
 
 
 def _from_message(message: Any) -> Choice | CkptStoreError | None:
@@ -120,9 +145,27 @@ def _from_message(message: Any) -> Choice | CkptStoreError | None:
 
 
 def load_choice(
-    states: dict[str, Any], store: ObjectStore | str, choice: Choice, max_workers: int = 8
+    states: dict[str, Any],
+    store: ObjectStore | str,
+    choice: Choice,
+    max_workers: int = 8,
+    *,
+    tiers: TierConfig | None = None,
 ) -> None:
-    """Every rank: load ``choice`` into ``states`` in place, reading only its own boxes."""
+    """Every rank: load ``choice`` into ``states`` in place, reading only its own boxes (with
+    ``tiers`` and a choice that lists copies: each blob from its nearest copy)."""
+    with contextlib.ExitStack() as opened:
+        if tiers is not None and choice.copies is not None:
+            remote = store if isinstance(store, ObjectStore) else open_store(store, create=False)
+            if remote is not store:
+                opened.callback(remote.close)
+            store = nearest_copies(tiers, choice.copies, choice.reachable, remote)
+        _load_choice(states, store, choice, max_workers)
+
+
+def _load_choice(
+    states: dict[str, Any], store: ObjectStore | str, choice: Choice, max_workers: int
+) -> None:
     reader = CkptStoreReader(
         store,
         choice.digest,
