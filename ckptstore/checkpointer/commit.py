@@ -23,6 +23,14 @@ A save is this sequence of calls; every participant sees only its own part:
 
 Any failure before the commit marks the row ``failed``; a commit whose answer was lost is
 trusted by its row, not by the error. Nothing uncommitted is ever visible to resume.
+
+A local save (a run with node-local tiers, :mod:`ckptstore.checkpointer.tiered`) is the same
+sequence with the tiers in the store's place: step 3 writes through a replicating store (this
+node's tier and its replica peers', fsynced at the flush) and every receipt names the nodes
+that hold its blobs; step 4 is :func:`ckptstore.manifest.tiering.commit_local` (every blob on R
+nodes, copies without a row asked for on their nodes, the row becomes ``local``); step 5 also
+drops the copies no checkpoint keeps from the tiers (:class:`LocalCommit.after`). A drain makes
+it ``committed`` later (:mod:`ckptstore.checkpointer.drain`).
 """
 
 from __future__ import annotations
@@ -211,17 +219,20 @@ def commit(
             "blocked_seconds": blocked_now(request),
         }
 
+    rows: dict[str, Any] = {
+        "run_id": writer.run_id,
+        "epoch": writer.epoch,
+        "checkpoint_id": checkpoint_id,
+        "step": request.step,
+        "claims": claims,
+        "components": components,
+        "values": values,
+    }
     revived: list[str] = []
     if writer.local is not None:
         tiering.commit_local(
             writer.db,
-            run_id=writer.run_id,
-            epoch=writer.epoch,
-            checkpoint_id=checkpoint_id,
-            step=request.step,
-            claims=claims,
-            components=components,
-            values=values,
+            **rows,
             holders=holders_of(receipts),
             replicas=writer.local.replicas,
             check_copies=writer.local.check_copies,
@@ -229,13 +240,7 @@ def commit(
     else:
         revived = tx.commit_checkpoint(
             writer.db,
-            run_id=writer.run_id,
-            epoch=writer.epoch,
-            checkpoint_id=checkpoint_id,
-            step=request.step,
-            claims=claims,
-            components=components,
-            values=values,
+            **rows,
             check_objects=lambda digests: check_objects(writer.store, digests),
         )
     info = reads.committed(writer.db, checkpoint_id, components)

@@ -21,6 +21,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Session, aliased
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.selectable import ScalarSelect
 
 from ckptstore.manifest._orm.blobs import dialect_of, insert_ignoring_duplicates
 from ckptstore.manifest._sql.sets import among, select_rows
@@ -189,8 +190,17 @@ def _wanted_on_tiers(keep_last: int) -> ColumnElement[bool]:
     """SQL over a ``checkpoints`` row: its copies are kept on the tiers -- it is local (not
     drained yet) or pending (a save in flight), or one of its run's ``keep_last`` newest local
     or committed checkpoints."""
+    return or_(
+        CheckpointRow.status.in_([Status.LOCAL.value, Status.PENDING.value]),
+        and_(CheckpointRow.status == Status.COMMITTED, _newer_count() < keep_last),
+    )
+
+
+def _newer_count() -> ScalarSelect[int]:
+    """SQL over a ``checkpoints`` row: how many local or committed checkpoints of its run are
+    newer."""
     newer = aliased(CheckpointRow)
-    newer_count = (
+    return (
         select(func.count())
         .select_from(newer)
         .where(
@@ -199,10 +209,6 @@ def _wanted_on_tiers(keep_last: int) -> ColumnElement[bool]:
             newer.step > CheckpointRow.step,
         )
         .scalar_subquery()
-    )
-    return or_(
-        CheckpointRow.status.in_([Status.LOCAL.value, Status.PENDING.value]),
-        and_(CheckpointRow.status == Status.COMMITTED, newer_count < keep_last),
     )
 
 
@@ -233,24 +239,13 @@ def supersede_locals(session: Session, run_id: int, keep_last: int) -> list[int]
         .where(CheckpointRow.run_id == run_id, CheckpointRow.status == Status.COMMITTED)
         .scalar_subquery()
     )
-    newer = aliased(CheckpointRow)
-    newer_count = (
-        select(func.count())
-        .select_from(newer)
-        .where(
-            newer.run_id == CheckpointRow.run_id,
-            newer.status.in_([s.value for s in RECOVERABLE]),
-            newer.step > CheckpointRow.step,
-        )
-        .scalar_subquery()
-    )
     ids = list(
         session.scalars(
             select(CheckpointRow.id).where(
                 CheckpointRow.run_id == run_id,
                 CheckpointRow.status == Status.LOCAL,
                 CheckpointRow.step < newest_committed,
-                newer_count >= keep_last,
+                _newer_count() >= keep_last,
             )
         )
     )
