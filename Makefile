@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 WHEELS ?=
 GPU_WHEELS := $(if $(WHEELS),--no-index --find-links $(WHEELS))
 
-.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp bench-gpu bench-export bench-scale fuzz browser clean
+.PHONY: demo test test-slow stress lint format bench bench-store bench-dcp bench-gpu bench-export bench-scale bench-tiers fuzz browser clean
 
 # The editable install compiles the float codec's C extension in place: a changed source
 # reinstalls (and so recompiles) it.
@@ -101,6 +101,12 @@ bench-export: $(VENV)/.installed-dev
 ## BENCH_ARGS=--full for the largest sizes
 bench-scale: $(VENV)/.installed-dev
 	$(PY) bench/bench_scale.py $(BENCH_ARGS)
+
+## bench-tiers: node-local tiers -- recovery after a node loss against remote-only through a
+## 200 MB/s throttle, local save blocked time and write rate, replication/drain/bandwidth
+## curves, the trainer checkpointing every step (~9 min)
+bench-tiers: $(VENV)/.installed-dev
+	$(PY) bench/bench_tiers.py $(BENCH_ARGS)
 
 ## bench-dcp: 2-rank DCP save/load, ckptstore against DCP's FileSystemWriter/Reader (~1 min)
 bench-dcp: $(VENV)/.installed-dev

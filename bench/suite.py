@@ -65,6 +65,7 @@ BENCHES = [
     Bench("replay", "bench_replay_codec.py", (), ("--groups", "64", "--reps", "3")),
     Bench("s3", "bench_s3.py", ("--size-gib", "1"), ("--size-gib", "0.1")),
     Bench("cli", "bench_cli.py", (), ("--reps", "10")),
+    Bench("tiers", "bench_tiers.py", ("--reps", "3"), ("--quick",)),
 ]
 
 
