@@ -339,16 +339,17 @@ class TrainerCheckpointer:
         uploads go on in the background and the commit follows when they are done (with
         ``async_save=false``: before this returns, and the wait counts as blocked)."""
         await self.flush(policy)
+        started_at = time.time()
+        began = time.perf_counter()
         if self.tiers is not None:
             # The previous local commit ends by dropping copies no checkpoint keeps from the
-            # tiers: no writer may find one of them there and count on it meanwhile.
+            # tiers: no writer may find one of them there and count on it meanwhile. Training
+            # waits for that too: it counts as blocked.
             await asyncio.to_thread(self._wait_committed)
         workers = self.cfg.policy.num_workers
         if workers > 1:
             sharding = {"workers": workers, "optimizer": self.ck.save_optimizer}
             training_info = {**training_info, SHARDED_INFO: sharding}
-        started_at = time.time()
-        began = time.perf_counter()
         assert self._buffer_writer is not None
         # Both snapshots at once: training is blocked for the longer, not for their sum.
         _, buffer = await asyncio.gather(
