@@ -129,7 +129,7 @@ def open_run(
             tiers=tiering,
         )
         if tiering is not None and writable:
-            swept, _ = tiering.start(database)
+            swept, _ = tiering.start(database, opened.run_id)
             if swept:
                 log.info("removed %d unknown object(s) from the tier of %s", swept, tiering.node)
         return run

@@ -373,6 +373,10 @@ class Run:
             return
         try:
             self.finalize()
+            if self.tiers is not None and self.writable:
+                # The last save (or drain) may have left copies no checkpoint keeps any more:
+                # nothing saves now, so the tiers drop them (bounded disk after the job too).
+                self.tiers.keep_bounded(self.db, self.id, self.tiers.reachable(self.db))
         finally:
             self._closed = True
             self._queue.shutdown()

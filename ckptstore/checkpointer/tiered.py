@@ -176,9 +176,10 @@ class Tiers:
         return _nearest(self.node, self.tier, copies, reachable, store)
 
     def keep_bounded(self, db: Database, run_id: int, reachable: Iterable[str]) -> int:
-        """After a local commit: local checkpoints a drained newer one made unnecessary are
-        dropped, and every reachable tier drops the copies no checkpoint keeps there. Best
-        effort (a failure is logged: the next save tries again). Returns the copies dropped.
+        """After a local commit (and at a writer's start and close): local checkpoints a
+        drained newer one made unnecessary are dropped, and every reachable tier drops the
+        copies no checkpoint keeps there. Best effort (a failure is logged: the next save tries
+        again). Returns the copies dropped.
 
         The rule that makes this safe: no writer saves to the tiers while it runs. A writer
         that finds a blob on its tier counts on it (content dedup) until its checkpoint
@@ -202,9 +203,10 @@ class Tiers:
             log.exception("keeping the tiers bounded failed; the next save tries again")
         return dropped
 
-    def start(self, db: Database) -> tuple[int, int]:
+    def start(self, db: Database, run_id: int) -> tuple[int, int]:
         """A writer's start on this node: a new (empty) tier disk means the node lost what
-        it held, so the manifest forgets every copy it recorded there; then :meth:`sweep`."""
+        it held, so the manifest forgets every copy it recorded there; then :meth:`sweep`, and
+        the tiers drop what the run keeps no longer (:meth:`keep_bounded`: nothing saves yet)."""
         if self.new_disk:
             forgotten = tiering.forget_node(db, self.node)
             if forgotten:
@@ -216,7 +218,9 @@ class Tiers:
                     forgotten,
                 )
             self.new_disk = False
-        return self.sweep(db)
+        swept = self.sweep(db)
+        self.keep_bounded(db, run_id, self.reachable(db))
+        return swept
 
     def sweep(self, db: Database, *, older_than: float = 0.0) -> tuple[int, int]:
         """What this node's tier holds that the manifest does not know (a crash between the

@@ -438,3 +438,17 @@ def test_a_dcp_save_and_load_of_a_run_with_tiers_go_through_the_tiers(
     assert loaded.step == 7
     assert equal(target["model"], state(7))
     assert target["step"] == 7
+
+
+def test_a_run_that_ends_with_a_drain_leaves_its_tiers_bounded(
+    db_url: str, store: LocalStore, tiers: Tiers, tmp_path: Path
+) -> None:
+    solo = tiers("a", replicas=1)
+    with open_run("r", db=db_url, store=store, tiers=solo, async_save=False) as run:
+        infos = [run.save(step, {"policy": state(step)}).wait() for step in range(1, 7)]
+        run.drain()
+    # Steps 1-4 were made unnecessary by the drain of step 6: closing the run dropped their
+    # copies; the tier keeps the keep_last=2 newest (5: local, 6: remote).
+    kept = digests_of(db_url, infos[4].id) | digests_of(db_url, infos[5].id)
+    assert tier_keys(tmp_path, "a") == {blob_key(d) for d in kept}
+    assert {d for (d,) in rows(db_url, "SELECT digest FROM blob_copies")} == kept
