@@ -78,6 +78,10 @@ class LocalStore(ObjectStore):
         # Files and directories written (or found) since the last flush.
         self._unsynced: set[Path] = set()
         self._unsynced_dirs: set[Path] = set()
+        #: Files a flush of this store made durable (path -> what identified the file then):
+        #: one found again, still the same file, needs no second fsync (a writer reusing the
+        #: blobs it stored at its previous saves); a file written there since is synced anew.
+        self._durable: dict[str, _FileId] = {}
         self._sync_lock = threading.Lock()
         # Held for a whole flush: a second flush waits until the first one's fsyncs are done,
         # so no flush returns while objects it must cover are still being synced.
@@ -173,7 +177,7 @@ class LocalStore(ObjectStore):
                 return
             try:
                 with ThreadPoolExecutor(min(16, max(1, len(files)))) as pool:
-                    list(pool.map(_fsync_path, files))
+                    synced = list(pool.map(_fsync_path, files))
                     # Directories after their files: a name must never outlive its data.
                     list(pool.map(_fsync_path, dirs))
             except OSError as exc:
@@ -184,6 +188,12 @@ class LocalStore(ObjectStore):
                     f"flushing {len(files)} objects to disk under {self.url} failed: "
                     f"{exc.strerror or exc}"
                 ) from exc
+            with self._sync_lock:
+                if len(self._durable) > _DURABLE_LIMIT:
+                    self._durable.clear()
+                for path, found in zip(files, synced, strict=True):
+                    if found is not None:
+                        self._durable[str(path)] = found
 
     def adopt(self, key: str) -> None:
         """Flush ``key`` (found already stored) at the next :meth:`flush` too."""
@@ -195,6 +205,9 @@ class LocalStore(ObjectStore):
             return
         with self._sync_lock:
             if path is not None:
+                known = self._durable.get(str(path))
+                if known is not None and known == _file_id(path):
+                    return  # the very file this store made durable: nothing to sync again
                 self._unsynced.add(path)
                 self._unsynced_dirs.add(path.parent)
             if directory is not None:
@@ -386,17 +399,35 @@ class LocalStore(ObjectStore):
         self._defer(directory=directory.parent)  # the new name, durable at the next flush
 
 
-def _fsync_path(path: Path) -> None:
-    """fsync a file or directory; one that is gone (deleted since) has nothing to make
-    durable -- a commit's existence checks catch a missing object."""
+#: (device, inode, size, change time in ns): a file, told apart from one written at the same
+#: path since (an inode number may be reused; its change time would not be the same).
+_FileId = tuple[int, int, int, int]
+#: Paths a store remembers as durable before it forgets them all (bounded memory).
+_DURABLE_LIMIT = 1_000_000
+
+
+def _file_id(path: Path) -> _FileId | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns
+
+
+def _fsync_path(path: Path) -> _FileId | None:
+    """fsync a file or directory; what identifies the file synced (None if it is gone:
+    deleted since, it has nothing to make durable -- a commit's existence checks catch a
+    missing object)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return
+        return None
     try:
         os.fsync(fd)
+        st = os.fstat(fd)
     finally:
         os.close(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns
 
 
 def open_path(url: StoreURL, *, create: bool, **options: Any) -> LocalStore:
