@@ -57,9 +57,9 @@ from trainer.config import (
 from trainer.history import plan_fork, start_over
 from trainer.pending import PendingSave, saved_lines, settle
 from trainer.policy import Policy
-from trainer.policy_state import SHARDED_INFO, TierSources
+from trainer.policy_state import SHARDED_INFO
 from trainer.resume import KINDS, load_to_resume
-from trainer.tiering import Drains, tier_config, tier_sources
+from trainer.tiering import Drains, tier_config
 
 #: Only these saves compete for keep_top_k (the reference ranks step % save_period == 0 saves).
 RANKED_TRIGGERS = frozenset({"period"})
@@ -97,6 +97,8 @@ class TrainerCheckpointer:
         self.saved_steps: list[int] = []
         self.deadline_fired = False
         self._buffer_writer: ShardWriter | None = None
+        #: The replay buffer's writer store on the tiers (with tiers).
+        self._tier_store: ObjectStore | None = None
         self._db: Database | None = None
         self._store: ObjectStore | None = None
         #: The run's node-local tiers (checkpointing.local_dir), once the job's nodes are known.
@@ -187,10 +189,6 @@ class TrainerCheckpointer:
         assert self.run is not None
         self.drains.after(self.run, None, None)
 
-    def tier_sources(self, info: CheckpointInfo) -> TierSources | None:
-        """Where ``info``'s blobs are, for the policy ranks that read it."""
-        return tier_sources(self.run, info)
-
     def _deadline(self) -> float | None:
         """The time budget's end as a ``time.monotonic()`` instant, or None."""
         if self.budget is None:
@@ -218,7 +216,8 @@ class TrainerCheckpointer:
             tiers=self.tiers,
         )
         # Replay-buffer groups: no packs, so an unchanged group stores the same blobs again.
-        target = writer_store(self.tiers) if self.tiers is not None else self.run.store
+        self._tier_store = writer_store(self.tiers) if self.tiers is not None else None
+        target = self._tier_store if self._tier_store is not None else self.run.store
         self._buffer_writer = ShardWriter(target, options=WriterOptions(pack_threshold=0))
 
     def retention(self) -> RetentionPolicy:
@@ -476,7 +475,7 @@ class TrainerCheckpointer:
         """What :meth:`close` closes, last first: the store and the database after the writer
         and the run, whose exits see the exception in flight (if any)."""
         exits = ExitStack()
-        for resource in (self._store, self._db):
+        for resource in (self._store, self._db, self._tier_store):
             if resource is not None:
                 exits.callback(resource.close)
         if self._buffer_writer is not None:
@@ -484,7 +483,7 @@ class TrainerCheckpointer:
         if self.run is not None:
             exits.push(self.run)
             exits.push(partial(self._finalize, self.run))
-        self.run = self._buffer_writer = self._db = self._store = None
+        self.run = self._buffer_writer = self._db = self._store = self._tier_store = None
         return exits
 
     def _finalize(self, run: Run, exc_type: type[BaseException] | None, *_: object) -> None:

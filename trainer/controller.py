@@ -33,7 +33,7 @@ from trainer.rollouts import RolloutPump
 from trainer.samplers import make_sampler
 from trainer.sharded import PolicyGroup
 from trainer.task import PromptDataset
-from trainer.tiering import check_store, resume_reads, start_tiers
+from trainer.tiering import check_store, resume_reads, start_tiers, tier_sources
 from trainer.trace import PromptTrace
 from trainer.watchdog import StallError, Watchdog, diagnose
 from trainer.workers import PolicyWorker, RolloutWorker, TrainStats, policy_config
@@ -229,7 +229,7 @@ class Controller(RolloutPump):
         checkpointer = self.checkpointer
         if restored.sharded and not (restored.run != self.run_name and checkpointer.fork_fresh):
             plan = await asyncio.to_thread(checkpointer.policy_plan, restored.run, restored.step)
-            sources = await asyncio.to_thread(checkpointer.tier_sources, plan.info)
+            sources = await asyncio.to_thread(tier_sources, checkpointer.run, plan.info)
             read: dict[str, int] = await self.policy.load_sharded.remote(
                 plan, restored.sharded_optimizer, sources
             )

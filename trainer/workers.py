@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from ckptstore import ShardReceipt, ShardSave, ShardWriter, WriterOptions
-from ckptstore.floor import TierConfig, writer_store
+from ckptstore.floor import ObjectStore, TierConfig, writer_store
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.policy import (
@@ -161,6 +161,7 @@ class PolicyWorker:
         self._save: ShardSave | None = None
         #: The node-local tiers saves go through (use_tiers), else the store.
         self.tiers: TierConfig | None = None
+        self._tier_store: ObjectStore | None = None
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -216,7 +217,8 @@ class PolicyWorker:
         if self.shards is not None:
             self.shards.close()
         self.tiers = on_this_node(tiers)
-        self.shards = ShardWriter(writer_store(self.tiers), options=WriterOptions())
+        self._tier_store = writer_store(self.tiers)
+        self.shards = ShardWriter(self._tier_store, options=WriterOptions())
 
     def check_store(self, key: str, nonce: str) -> None:
         """The controller's nonce is in the store as this worker sees it (a shared store)."""
@@ -246,3 +248,5 @@ class PolicyWorker:
     def close(self) -> None:
         if self.shards is not None:
             self.shards.close()
+        if self._tier_store is not None:
+            self._tier_store.close()

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptstore.cas.blobs import MissingBlobError
-from ckptstore.cas.digest import blob_key
+from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.checkpointer.restore import (
     LoadedCheckpoint,
     Reader,
@@ -145,8 +145,6 @@ def _forget_bad(reader: Reader, nearest: NearestCopies) -> None:
 
 
 def _digest(key: str) -> str:
-    from ckptstore.cas.digest import digest_from_key
-
     digest = digest_from_key(key)
     assert digest is not None
     return digest
