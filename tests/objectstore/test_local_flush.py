@@ -143,3 +143,25 @@ def test_a_flush_waits_for_one_already_running(
     first.join(10)
     second.join(10)
     assert str(store.root / "a/one") in done
+
+
+def test_a_file_this_store_made_durable_is_not_synced_again_unless_it_changed(
+    tmp_path: Path, synced: list[str]
+) -> None:
+    store = LocalStore(tmp_path / "s")
+    path = str(store.root / "cas/ab/k")
+    store.put("cas/ab/k", b"x")
+    store.flush()
+    synced.clear()
+    # A later save reuses the blob (found existing, adopted): this very file is durable.
+    assert store.put("cas/ab/k", b"x") is False
+    store.adopt("cas/ab/k")
+    store.flush()
+    assert synced == []
+    # Deleted and written again (another writer, not yet flushed): a different file, synced.
+    store.delete(["cas/ab/k"])
+    other = LocalStore(tmp_path / "s")
+    assert other.put("cas/ab/k", b"x") is True
+    store.adopt("cas/ab/k")
+    store.flush()
+    assert path in synced
