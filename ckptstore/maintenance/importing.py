@@ -17,6 +17,7 @@ whole while they are saved: an import needs about the checkpoint's size in free 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,16 +212,19 @@ def _info(storage: dict[Any, Any], index: MetadataIndex, where: str) -> _Storage
 
 def _item_bytes(path: Path, info: _StorageInfo) -> bytes:
     file = path / info.relative_path
+    end = info.offset + info.length
     try:
         with file.open("rb") as stream:
+            # The claimed range against the file before anything is read (a crafted length
+            # would otherwise be allocated and read first).
+            if end > os.fstat(stream.fileno()).st_size:
+                raise SerializationError(f"{file}: ends before byte {end} (truncated?)")
             stream.seek(info.offset)
             data = stream.read(info.length)
     except OSError as exc:
         raise SerializationError(f"{file}: cannot be read ({exc})") from None
     if len(data) != info.length:
-        raise SerializationError(
-            f"{file}: ends before byte {info.offset + info.length} (truncated?)"
-        )
+        raise SerializationError(f"{file}: ends before byte {end} (truncated?)")
     return data
 
 

@@ -140,8 +140,37 @@ def _targets(
                 f"{str(target.dtype).removeprefix('torch.')} {list(target.shape)}; pass a "
                 "tensor of the stored dtype and shape (or leave it out of into= to get a new one)"
             )
+        unfit = _cannot_hold(target)
+        if unfit:
+            raise ConfigError(
+                f"{where}: cannot load entry {entry.path!r} into the given tensor: {unfit}; "
+                "pass a tensor that owns its elements (e.g. .clone()), or leave it out of into="
+            )
         found[n] = target
     return found
+
+
+def _cannot_hold(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor`` cannot take a value element by element, or None: it lives on the meta
+    device (no memory), or its elements may overlap in memory (an expanded, stride-0 view, or
+    strides that reach one address twice; the check is conservative: each stride must pass
+    the extent of the smaller ones, as a view of one tensor's memory does): writing it would
+    lose elements, and torch refuses only once the other targets are written."""
+    if tensor.device.type == "meta":
+        return "it is on the meta device (it has no memory to load into)"
+    extent = 0  # the furthest element offset the smaller strides reach
+    for size, stride in sorted(
+        ((size, abs(stride)) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+         if size > 1),
+        key=lambda pair: pair[1],
+    ):  # fmt: skip
+        if stride <= extent:
+            return (
+                f"its elements overlap in memory (strides {list(tensor.stride())}, e.g. an "
+                "expanded view)"
+            )
+        extent += (size - 1) * stride
+    return None
 
 
 def _allocate(nbytes: int, where: str) -> memoryview:

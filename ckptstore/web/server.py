@@ -176,7 +176,11 @@ class Handler(BaseHTTPRequestHandler):
             if found is None:
                 return _error(404, "no such static file", api=False)
             return Response(200, found[0], found[1], (("Cache-Control", "max-age=3600"),))
-        segments = tuple(unquote(s, errors="strict") for s in parts.path.split("/") if s)
+        try:
+            segments = tuple(unquote(s, errors="strict") for s in parts.path.split("/") if s)
+        except UnicodeDecodeError:
+            # Nothing of the path is echoed: its bytes are not text.
+            return _error(400, "the path's percent-escapes are not UTF-8 text", api=api)
         try:
             return self.server.app.handle(Request(segments, query))
         except LookupError as exc:

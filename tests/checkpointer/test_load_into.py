@@ -213,3 +213,28 @@ def test_loading_into_existing_tensors_allocates_no_second_copy(tmp_path: Path) 
     run("save")
     assert run("into") < 64  # peak growth; issue 26's goal: +256 MiB at most for 3 GiB
     assert run("copy") > 200  # the old way holds new tensors of the state's size
+
+
+@pytest.mark.parametrize(
+    "target",
+    [
+        pytest.param(lambda: torch.zeros(64).expand(64, 64), id="expanded"),
+        pytest.param(lambda: torch.zeros(64 * 64).as_strided((64, 64), (1, 1)), id="overlapping"),
+        pytest.param(lambda: torch.zeros(64, 64, device="meta"), id="meta"),
+    ],
+)
+def test_a_target_that_cannot_hold_every_element_is_refused_before_anything_is_written(
+    db_url: str, local_store: LocalStore, target: Any
+) -> None:
+    """Issue 40 (3): an expanded (stride-0) target made torch raise after the other targets
+    were filled. Every target that cannot hold each element in memory of its own is refused
+    before any byte is read, naming the entry and why."""
+    with open_run("no-overlap", db=db_url, store=local_store) as run:
+        run.save(1, state(4)).wait()
+        targets = zeros_like(state(4))
+        targets["policy"]["layers"][2] = target()
+        with pytest.raises(ConfigError, match=r"layers/2.*(overlap|meta)"):
+            run.load(into=targets)
+    assert not targets["policy"]["embed.weight"].any()
+    assert not targets["policy"]["layers"][0].any()
+    assert not targets["optimizer"]["exp_avg"].any()

@@ -119,3 +119,27 @@ def test_help_says_nothing_is_unpickled(capsys: pytest.CaptureFixture[str]) -> N
     text = " ".join(capsys.readouterr().out.split())
     assert "Nothing is unpickled" in text
     assert "fork_from='RUN@STEP'" in text
+
+
+@pytest.mark.parametrize("length", [1 << 34, 1 << 40, 1 << 62])
+def test_a_storage_length_past_the_files_end_is_exit_3_before_anything_is_read(
+    site: Any, capsys: pytest.CaptureFixture[str], length: int
+) -> None:
+    """Issue 40 (1): a ``.metadata`` whose storage length was 2^40 or more read that much (a
+    MemoryError traceback, exit 1); every claimed range is checked against the file first."""
+    import dataclasses
+
+    options, source, _ = site
+    metadata_file = source / ".metadata"
+    with metadata_file.open("rb") as f:
+        metadata = pickle.load(f)  # the test's own file, written by dcp.save above
+    index = next(iter(metadata.storage_data))
+    info = metadata.storage_data[index]
+    metadata.storage_data[index] = dataclasses.replace(info, length=length)
+    with metadata_file.open("wb") as f:
+        pickle.dump(metadata, f)
+    code, _out, err = cli(capsys, *options, "import", str(source), "crafted@1")
+    assert code == 3, err
+    assert "ends before byte" in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1

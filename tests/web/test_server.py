@@ -277,6 +277,11 @@ def test_every_page_forbids_inline_scripts_and_framing(served: Served) -> None:
         ("/runs/base?status=lost", 400, "unknown status 'lost'"),
         ("/compare?a=1", 400, "compare needs b="),
         ("/api/compare?a=base@3&b=base@8", 404, "is marked corrupt"),
+        # Issue 40 (2): percent-escapes that are not UTF-8 were a 500 and a traceback.
+        ("/runs/%ff", 400, "not UTF-8"),
+        ("/api/runs/%ff", 400, "not UTF-8"),
+        ("/%ff", 400, "not UTF-8"),
+        ("/runs/%C3%28", 400, "not UTF-8"),
     ],
 )
 def test_bad_paths_ids_and_parameters(served: Served, path: str, status: int, message: str) -> None:
