@@ -72,7 +72,6 @@ import gc
 import itertools
 import json
 import os
-import platform
 import shutil
 import sqlite3
 import statistics
@@ -92,6 +91,7 @@ ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH_DIR))
 
+from bench_async_save import machine  # noqa: E402
 from bench_store import cpu_seconds, rotated, warm_memory  # noqa: E402
 from throttle import Throttle  # noqa: E402
 
@@ -1377,16 +1377,6 @@ def measure_trainer(
 
 
 OUT = Out()
-
-
-def machine() -> str:
-    with open("/proc/meminfo") as f:
-        available = next(line for line in f if line.startswith("MemAvailable")).split()[1]
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"{platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
-        f"MemAvailable {int(available) // 1024} MiB, load average {load}"
-    )
 
 
 #: Seconds each section took.
