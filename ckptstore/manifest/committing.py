@@ -86,13 +86,7 @@ def commit_checkpoint(
                 # Claimed as "already stored" from a row GC has since removed: the new row
                 # takes the object's real size, not the claim's placeholder.
                 final[digest] = replace(claim, stored_bytes=size)
-        stored = sum(
-            existing[d].stored_bytes if d in existing else c.stored_bytes for d, c in final.items()
-        )
-        blobs.record_blobs(session, checkpoint_id, final.values(), existing)
-        blobs.record_components(session, checkpoint_id, components)
-        checkpoints.finish_commit(session, checkpoint_id, values(stored))
-        checkpoints.supersede_step(session, checkpoint_id)
+        checkpoints.record_commit(session, checkpoint_id, final, existing, components, values)
 
     db.write(transaction, what=f"committing checkpoint at step {step}")
     return revived

@@ -58,23 +58,6 @@ def committed_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> Che
         return lookups.fetch_checkpoint_of_row(conn, row, name)
 
 
-def newest_in(
-    db: Database, run: RunInfo | tuple[int, str], statuses: Sequence[str]
-) -> CheckpointInfo | None:
-    """The run's newest checkpoint in one of ``statuses``, with its components, or None."""
-    run_id, name = _key(run)
-    cols = tables.checkpoints.c
-    query = (
-        lookups.select_checkpoints_of(run_id, statuses)
-        .order_by(None)
-        .order_by(cols.step.desc(), cols.id.desc())
-        .limit(1)
-    )
-    with db.connect() as conn:
-        found = lookups.fetch_with_components(conn, query, name)
-    return found[0] if found else None
-
-
 def checkpoint_at(db: Database, run: RunInfo | tuple[int, str], step: int) -> CheckpointInfo | None:
     """The checkpoint at ``step`` that a load may read (local or committed), with its
     components, or None."""

@@ -78,16 +78,12 @@ def commit_local(
                 f"{digests[0]} on node {node!r} (evicted while the save ran?); nothing was "
                 "committed and the next save writes them again"
             )
-        stored = sum(
-            existing[d].stored_bytes if d in existing else c.stored_bytes for d, c in claims.items()
+        checkpoints.record_commit(
+            session, checkpoint_id, claims, existing, components, values, status=Status.LOCAL
         )
-        blobs.record_blobs(session, checkpoint_id, claims.values(), existing, in_store=False)
-        blobs.record_components(session, checkpoint_id, components)
         copies.insert_copies(
             session, ((digest, node) for digest in claims for node in holders[digest])
         )
-        checkpoints.finish_commit(session, checkpoint_id, values(stored), status=Status.LOCAL)
-        checkpoints.supersede_step(session, checkpoint_id)
 
     db.write(transaction, what=f"committing local checkpoint at step {step}")
 

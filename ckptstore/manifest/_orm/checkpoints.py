@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ckptstore.errors import RunStateError
-from ckptstore.manifest._orm.blobs import blob_rows, condemn_blob_row, revive_blob_rows
+from ckptstore.manifest._orm.blobs import (
+    BlobFacts,
+    blob_rows,
+    condemn_blob_row,
+    record_blobs,
+    record_components,
+    revive_blob_rows,
+)
 from ckptstore.manifest._orm.runs import hold_gc_lock_exclusive
 from ckptstore.manifest._sql.tables import BATCH
 from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, CheckpointRow, Status, utcnow
+from ckptstore.manifest.records import BlobClaim, ComponentInfo
 
 
 def insert_pending(session: Session, run_id: int, step: int, epoch: int, trigger: str) -> int:
@@ -213,3 +221,26 @@ def checkpoint_blob_sizes(session: Session, checkpoint_id: int) -> dict[str, int
         .where(CheckpointBlobRow.checkpoint_id == checkpoint_id)
     )
     return {row[0]: row[1] for row in rows}
+
+
+def record_commit(
+    session: Session,
+    checkpoint_id: int,
+    claims: Mapping[str, BlobClaim],
+    existing: Mapping[str, BlobFacts],
+    components: Sequence[ComponentInfo],
+    values: Callable[[int], dict[str, Any]],
+    *,
+    status: Status = Status.COMMITTED,
+) -> None:
+    """What every commit records once its checks passed: blob rows and references (``in_store``
+    for a store commit, not for a local one), components, the row's final values
+    (``values(stored bytes)``) and status, and the older checkpoint of its step superseded."""
+    stored = sum(
+        existing[d].stored_bytes if d in existing else c.stored_bytes for d, c in claims.items()
+    )
+    in_store = status == Status.COMMITTED
+    record_blobs(session, checkpoint_id, claims.values(), existing, in_store=in_store)
+    record_components(session, checkpoint_id, components)
+    finish_commit(session, checkpoint_id, values(stored), status=status)
+    supersede_step(session, checkpoint_id)
