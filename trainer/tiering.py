@@ -107,8 +107,7 @@ def tier_sources(run: Run | None, info: CheckpointInfo) -> TierSources | None:
     tiers, or for another run's checkpoint, which the store holds)."""
     if run is None or run.tiers is None or info.run != run.name:
         return None
-    reachable = tuple(sorted(run.tiers.reachable(run.db)))
-    return TierSources(run.copies(info), reachable)
+    return TierSources(run.copies(info), run.reachable())
 
 
 def resume_reads(loaded: LoadedCheckpoint, policy_read: dict[str, int]) -> str:

@@ -265,6 +265,16 @@ class Run:
             for digest, (in_store, nodes) in tiering.copies_of(self.db, info.id).items()
         }
 
+    def reachable(self) -> tuple[str, ...]:
+        """The nodes whose tiers answer now (none without tiers): what a coordinator hands
+        ranks with ``copies`` so they read through the tiers (``nearest_copies``)."""
+        return () if self.tiers is None else tuple(sorted(self.tiers.reachable(self.db)))
+
+    def save_target(self) -> ObjectStore:
+        """The store this process's own shards of a save go to: the object store, or (a run
+        with tiers) this node's writer store on the tiers (its receipts name the nodes)."""
+        return self.store if self.tiers is None else self.tiers.writer(self.db)
+
     def source(self, info: CheckpointInfo) -> ObjectStore:
         """The store a load of ``info`` reads through: the object store, or (a run with tiers)
         each blob's nearest verified copy."""

@@ -56,11 +56,6 @@ class _Written:
     receipt: ShardReceipt | None = None
 
 
-def _save_target(run: Run) -> ObjectStore:
-    """Where a run's own rank stores its items: the run's tiers' writer store, or its store."""
-    return run.tiers.writer(run.db) if run.tiers is not None else run.store
-
-
 class CkptStoreWriter(StorageWriter):
     """A DCP ``StorageWriter`` that stores each rank's items through ckptstore and commits the
     checkpoint (run, step) in ``finish()``.
@@ -103,7 +98,7 @@ class CkptStoreWriter(StorageWriter):
             )
         self.run = target if isinstance(target, Run) else None
         # A run with node-local tiers saves this rank's items to them (and its peers').
-        self._store_target = _save_target(target) if isinstance(target, Run) else target
+        self._store_target = target.save_target() if isinstance(target, Run) else target
         self.step = None if step is None else check_step(step)
         self.training_info = training_info
         self.metrics = metrics

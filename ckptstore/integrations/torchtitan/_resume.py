@@ -102,8 +102,7 @@ def _choice(
     wanted = saved_model_only if model_only is None else model_only or saved_model_only
     if run.tiers is None:
         return Choice(run.name, info.step, digest, wanted, initial)
-    reachable = tuple(sorted(run.tiers.reachable(run.db)))
-    return Choice(run.name, info.step, digest, wanted, initial, run.copies(info), reachable)
+    return Choice(run.name, info.step, digest, wanted, initial, run.copies(info), run.reachable())
 
 
 def share(choice: Choice | CkptStoreError | None) -> Choice | None:
