@@ -9,14 +9,8 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ckptstore.errors import RunStateError
-from ckptstore.manifest._orm.blobs import (
-    BlobFacts,
-    blob_rows,
-    condemn_blob_row,
-    record_blobs,
-    record_components,
-    revive_blob_rows,
-)
+from ckptstore.manifest._orm import blobs
+from ckptstore.manifest._orm.blobs import BlobFacts, blob_rows, condemn_blob_row, revive_blob_rows
 from ckptstore.manifest._orm.runs import hold_gc_lock_exclusive
 from ckptstore.manifest._sql.tables import BATCH
 from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, CheckpointRow, Status, utcnow
@@ -240,7 +234,7 @@ def record_commit(
         existing[d].stored_bytes if d in existing else c.stored_bytes for d, c in claims.items()
     )
     in_store = status == Status.COMMITTED
-    record_blobs(session, checkpoint_id, claims.values(), existing, in_store=in_store)
-    record_components(session, checkpoint_id, components)
+    blobs.record_blobs(session, checkpoint_id, claims.values(), existing, in_store=in_store)
+    blobs.record_components(session, checkpoint_id, components)
     finish_commit(session, checkpoint_id, values(stored), status=status)
     supersede_step(session, checkpoint_id)
