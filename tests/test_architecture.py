@@ -4,7 +4,7 @@
 - SQL lives in ``manifest/``: no other module imports SQLAlchemy or a database driver.
 - Every public function, method and class says in one line what it is for.
 - Integrations (and the trainer) stand on the public floor: from ckptstore they import only
-  ``ckptstore``, ``ckptstore.floor`` and ``ckptstore.errors`` (plus the integrations' own
+  ``ckptstore``, ``ckptstore.extending`` and ``ckptstore.errors`` (plus the integrations' own
   modules), never the layers below.
 """
 
@@ -24,6 +24,7 @@ LAYERS = {
     "names": 0,
     "settings": 0,
     "durations": 0,
+    "formatting": 0,
     "_lazy": 0,
     "objectstore": 1,
     "manifest": 1,
@@ -32,7 +33,7 @@ LAYERS = {
     "serialize": 3,
     "tiers": 3,
     "checkpointer": 4,
-    "floor": 5,
+    "extending": 5,
     "maintenance": 6,
     "integrations": 6,
     "testing": 6,
@@ -215,8 +216,8 @@ def test_manifest_levels_live_in_their_paths() -> None:
 # -- the public floor --------------------------------------------------------------------------
 
 REPO = PACKAGE.parent
-#: What an integration, or the trainer, may import from ckptstore (``ckptstore/floor.py``).
-FLOOR = frozenset({"ckptstore", "ckptstore.floor", "ckptstore.errors"})
+#: What an integration, or the trainer, may import from ckptstore (``ckptstore/extending.py``).
+FLOOR = frozenset({"ckptstore", "ckptstore.extending", "ckptstore.errors"})
 #: Internals trainer/ may import beyond FLOOR: none (it is the reference user: what it needs is
 #: public).
 TRAINER_ALSO: frozenset[str] = frozenset()
@@ -230,7 +231,7 @@ INTEGRATIONS_ALSO = {
 
 def imported_modules(path: Path, module: str) -> set[str]:
     """The ckptstore modules ``path`` imports: ``from ckptstore import manifest`` counts as
-    ``ckptstore.manifest``, ``from ckptstore.floor import Run`` as ``ckptstore.floor``."""
+    ``ckptstore.manifest``, ``from ckptstore.extending import Run`` as ``ckptstore.extending``."""
     known = {name for name, _ in modules()} | {"ckptstore"}
     packages = {name.rsplit(".__init__", 1)[0] for name in known}
     found: set[str] = set()
@@ -274,7 +275,7 @@ def test_integrations_import_only_the_public_floor() -> None:
         if layer_of(module) == "integrations"
         for breach in floor_breaches(path, module)
     ]
-    assert breaches == [], "integrations import ckptstore.floor, not the layers below it"
+    assert breaches == [], "integrations import ckptstore.extending, not the layers below it"
 
 
 def test_the_trainer_imports_only_the_floor_and_its_listed_internals() -> None:
@@ -284,7 +285,7 @@ def test_the_trainer_imports_only_the_floor_and_its_listed_internals() -> None:
         for target in sorted(imported_modules(path, f"trainer.{path.stem}"))
         if target not in FLOOR | TRAINER_ALSO and not public_integration(target)
     ]
-    assert breaches == [], "trainer/ imports ckptstore.floor (or the top level), not internals"
+    assert breaches == [], "trainer/ imports ckptstore.extending (or the top level), not internals"
 
 
 def public_integration(target: str) -> bool:
@@ -299,7 +300,7 @@ def public_integration(target: str) -> bool:
 @pytest.mark.parametrize(
     ("source", "allowed"),
     [
-        ("from ckptstore.floor import Run", True),
+        ("from ckptstore.extending import Run", True),
         ("from ckptstore import errors", True),
         ("from ckptstore.integrations.dcp._metadata import rank_component", True),
         ("from ckptstore.integrations._common.names import DCP_METADATA", True),

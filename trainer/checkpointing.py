@@ -39,7 +39,7 @@ from ckptstore import (
     open_store,
     run_info,
 )
-from ckptstore.floor import (
+from ckptstore.extending import (
     Database,
     TierConfig,
     default_store,

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ckptstore.errors import ConfigError
-from ckptstore.floor import TierConfig, config_fingerprint, parse_duration
+from ckptstore.extending import TierConfig, config_fingerprint, parse_duration
 from trainer.errors import ConfigurationError
 
 BACKENDS = ("ray", "local")

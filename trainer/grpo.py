@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def resolve_locations(cfg: TrainerConfig) -> None:
     """Absolute store/db/trace locations: the actors may not share the driver's working
     directory."""
-    from ckptstore.floor import default_db, default_store
+    from ckptstore.extending import default_db, default_store
 
     ck = cfg.checkpointing
     ck.db = ck.db or default_db()
@@ -182,7 +182,7 @@ def where_lines(summary: dict[str, Any]) -> list[str]:
 def _cli_command(db: str, store: str) -> str:
     """The ``ckptstore`` command of this environment, with --db/--store unless they are the
     defaults it would use anyway."""
-    from ckptstore.floor import default_db, default_store
+    from ckptstore.extending import default_db, default_store
 
     cli = Path(sys.executable).with_name("ckptstore")
     command = "ckptstore"

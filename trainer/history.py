@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore.floor import identity_changes
+from ckptstore.extending import identity_changes
 from trainer.config import CheckpointingConfig, architecture_changed, fingerprint
 from trainer.errors import ResumeError
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ckptstore import CheckpointInfo
-from ckptstore.floor import TierConfig, nearest_copies, open_store
+from ckptstore.extending import TierConfig, nearest_copies, open_store
 from ckptstore.integrations import dcp as ckpt_dcp
 
 #: The component every sharded policy checkpoint has (DCP's metadata document).

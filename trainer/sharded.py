@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from ckptstore import IntegrityError, ShardReceipt
-from ckptstore.floor import ObjectStore, TierConfig, writer_store
+from ckptstore.extending import ObjectStore, TierConfig, writer_store
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.errors import TrainerError

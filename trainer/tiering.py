@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptstore import CheckpointInfo, CkptStoreError, LoadedCheckpoint, Run, SaveHandle
-from ckptstore.floor import (
+from ckptstore.extending import (
     ObjectStore,
     RayTransport,
     TierConfig,
@@ -18,7 +18,7 @@ from ckptstore.floor import (
     put_nonce,
     remove_nonce,
 )
-from ckptstore.floor import check_nonce as check_store_nonce
+from ckptstore.extending import check_nonce as check_store_nonce
 from trainer.policy_state import TierSources
 
 if TYPE_CHECKING:

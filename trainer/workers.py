@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 
 from ckptstore import ShardReceipt, ShardSave, ShardWriter, WriterOptions
-from ckptstore.floor import ObjectStore, TierConfig, writer_store
+from ckptstore.extending import ObjectStore, TierConfig, writer_store
 from ckptstore.integrations import dcp as ckpt_dcp
 from trainer.config import TrainerConfig
 from trainer.policy import (

@@ -222,7 +222,7 @@ def mark_corrupt(
     run: RunView, info: CheckpointInfo, error: IntegrityError, *, check_store: bool = True
 ) -> None:
     """What a load does with a checkpoint of ``run`` that failed verification (public, through
-    :mod:`ckptstore.floor`): say so loudly; the run's writer marks it corrupt and quarantines
+    :mod:`ckptstore.extending`): say so loudly; the run's writer marks it corrupt and quarantines
     the damaged blob, a read-only run changes nothing and names the command that would.
 
     With ``check_store``, a missing blob first proves the store is the right one: when none of

@@ -23,9 +23,9 @@ from typing import Any, NoReturn, cast
 from ckptstore.cli.commands import COMMANDS, load
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_ERROR, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, MEANINGS
-from ckptstore.cli.output import dumps
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import CkptStoreError, ConfigError
+from ckptstore.formatting import dumps
 from ckptstore.names import printable
 from ckptstore.settings import package_version
 

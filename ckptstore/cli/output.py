@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ckptstore.formatting import as_utc, dumps, json_value
 from ckptstore.names import printable
 
 #: What ``du`` and ``runs`` mean by their byte columns and ratios (the one definition is
@@ -84,23 +85,6 @@ def render(records: Sequence[Any], columns: Sequence[Column]) -> str:
     return table([c.head for c in columns], [[c.value(r) for c in columns] for r in records])
 
 
-def human_bytes(n: float | None) -> str:
-    """``n`` bytes in B, KiB, MiB, GiB or TiB; ``-`` for None."""
-    if n is None:
-        return "-"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-def ratio(x: float | None) -> str:
-    """``x`` as a ratio (``2.50x``); ``-`` for None."""
-    return "-" if x is None else f"{x:.2f}x"
-
-
 def cell(value: Any) -> str:
     """``value`` as a table shows it; text from the manifest (run, component and metric
     names, keys) is escaped so that it cannot drive the terminal."""
@@ -111,18 +95,8 @@ def cell(value: Any) -> str:
     if isinstance(value, dt.datetime):
         return as_utc(value).strftime("%Y-%m-%d %H:%M:%SZ")
     if isinstance(value, dict | list):
-        return json.dumps(value, separators=(",", ":"), default=_json_value)
+        return json.dumps(value, separators=(",", ":"), default=json_value)
     return printable(value)
-
-
-def as_utc(when: dt.datetime) -> dt.datetime:
-    """``when`` in UTC; a time without a zone is taken as UTC (what the manifest stores)."""
-    return when.replace(tzinfo=dt.UTC) if when.tzinfo is None else when.astimezone(dt.UTC)
-
-
-def _json_value(value: object) -> str:
-    """What JSON cannot hold natively: a time as ISO 8601 UTC, anything else as its str."""
-    return as_utc(value).isoformat() if isinstance(value, dt.datetime) else str(value)
 
 
 def quoted(name: object) -> str:
@@ -142,16 +116,11 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def dumps(payload: Any) -> str:
-    """``payload`` as one line of JSON (times as ISO 8601 UTC, other values as strings)."""
-    return json.dumps(payload, default=_json_value, allow_nan=True)
-
-
 def csv_value(value: Any) -> Any:
     """``value`` for a CSV cell: text escaped as in a table, times as in JSON."""
     if isinstance(value, str):
         return printable(value)
-    return _json_value(value) if isinstance(value, dt.datetime) else value
+    return json_value(value) if isinstance(value, dt.datetime) else value
 
 
 class Bar:

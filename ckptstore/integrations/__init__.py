@@ -7,5 +7,5 @@ Each integration is a package whose ``__init__`` is its public face; everything 
 private (``_reader.py``, ``_commit.py``, ...). What they share, and what reading a checkpoint
 needs without the frameworks, is in ``_common``; :mod:`ckptstore.integrations.formats` is the
 table of formats the CLI reads. From the rest of ckptstore they use only the public floor,
-:mod:`ckptstore.floor` (and :mod:`ckptstore.errors`).
+:mod:`ckptstore.extending` (and :mod:`ckptstore.errors`).
 """

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.integrations._common.names import DCP_METADATA, MEGATRON_META
 
 if TYPE_CHECKING:
-    from ckptstore.floor import CheckpointInfo, ComponentInfo, ObjectStore, SourceTensor
+    from ckptstore.extending import CheckpointInfo, ComponentInfo, ObjectStore, SourceTensor
 
 #: Checks a checkpoint of the format in a store: ``(store, info)``; raises what a load raises.
 Check = Callable[["ObjectStore", "CheckpointInfo"], None]

@@ -6,7 +6,7 @@ import datetime as dt
 from collections.abc import Mapping
 from typing import Any
 
-from ckptstore.cli.output import human_bytes, ratio
+from ckptstore.formatting import human_bytes, ratio
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.manifest.statuses import Status
 from ckptstore.web.markup import Markup, checkpoint_url, el, join, link, run_url, void

@@ -25,8 +25,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptstore.cli.output import dumps
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from ckptstore.formatting import dumps
 from ckptstore.manifest import reading as reads
 from ckptstore.names import parse_target
 from ckptstore.web import data, pages, pages_run

@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, text
 from ckptstore import ShardWriter, TierConfig, open_run, writer_store
 from ckptstore.cas.digest import blob_key
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, SaveError
-from ckptstore.floor import receipt_from_json, receipt_to_json
+from ckptstore.extending import receipt_from_json, receipt_to_json
 from ckptstore.maintenance import collect_garbage
 from ckptstore.manifest import Database
 from ckptstore.objectstore import LocalStore

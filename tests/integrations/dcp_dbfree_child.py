@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import ckptstore
 from ckptstore.errors import CkptStoreError
-from ckptstore.floor import ComponentReader, Database
+from ckptstore.extending import ComponentReader, Database
 from ckptstore.integrations import dcp as ckpt_dcp
 
 RUN = "dcp-dbfree"

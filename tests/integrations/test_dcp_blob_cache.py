@@ -1,4 +1,4 @@
-"""A DCP load reads through the one shared blob cache (``ckptstore.floor.BlobCache``): every
+"""A DCP load reads through the one shared blob cache (``ckptstore.extending.BlobCache``): every
 object it needs is fetched once, however many stored items or boxes share it -- a pack of small
 tensors, one chunk that two identical tensors deduplicate to -- and nothing else is fetched."""
 

@@ -38,7 +38,7 @@ from ckptstore.errors import (
     IntegrityError,
     SaveError,
 )
-from ckptstore.floor import (
+from ckptstore.extending import (
     CheckpointInfo,
     ComponentReader,
     Run,

@@ -26,7 +26,7 @@ from crafted_checkpoints import MEGATRON_LIES, MegatronCheckpoint, Shard, commit
 from lazy_imports import deferred
 
 import ckptstore
-from ckptstore import floor
+from ckptstore import extending
 from ckptstore.cas import blob_key
 from ckptstore.checkpointer import CheckpointInfo, Run
 from ckptstore.errors import (
@@ -215,8 +215,8 @@ def test_the_checkpoint_record_crosses_as_json_unchanged(run: Run) -> None:
         3, {"x": torch.arange(4)}, training_info={"iteration": 3}, metrics={"loss": 0.5}
     ).wait()
     assert isinstance(info.committed_at, dt.datetime)
-    sent = json.loads(json.dumps(floor.checkpoint_info_to_json(info)))
-    assert floor.checkpoint_info_from_json(sent, what="rank 0's choice") == info
+    sent = json.loads(json.dumps(extending.checkpoint_info_to_json(info)))
+    assert extending.checkpoint_info_from_json(sent, what="rank 0's choice") == info
 
 
 def test_rank0s_errors_cross_with_their_type() -> None:

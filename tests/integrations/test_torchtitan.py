@@ -30,7 +30,7 @@ from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 
 import ckptstore
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, SaveError
-from ckptstore.floor import ComponentReader
+from ckptstore.extending import ComponentReader
 from ckptstore.integrations.dcp import CkptStoreWriter, NoPickleSavePlanner
 from ckptstore.integrations.torchtitan import CkptStoreCheckpointManager
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import floor
+from ckptstore import extending
 from ckptstore.errors import ConfigError
 from ckptstore.manifest.records import (
     CheckpointInfo,
@@ -74,8 +74,8 @@ def test_the_document_holds_every_field_as_plain_json(info: CheckpointInfo) -> N
 
 
 def test_the_floor_offers_the_same_functions() -> None:
-    assert floor.checkpoint_info_to_json is checkpoint_info_to_json
-    assert floor.checkpoint_info_from_json is checkpoint_info_from_json
+    assert extending.checkpoint_info_to_json is checkpoint_info_to_json
+    assert extending.checkpoint_info_from_json is checkpoint_info_from_json
 
 
 def test_json_numbers_and_nulls_read_as_their_fields(info: CheckpointInfo) -> None:

@@ -18,10 +18,11 @@ from dataclasses import asdict
 from ckptstore.cli.args import parse_target
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK, EXIT_PROBLEMS
-from ckptstore.cli.output import emit, human_bytes
+from ckptstore.cli.output import emit
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
+from ckptstore.formatting import human_bytes
 from ckptstore.settings import LOCAL_DIR_ENV
 
 

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import emit, human_bytes, progress
+from ckptstore.cli.output import emit, progress
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
+from ckptstore.formatting import human_bytes
 from ckptstore.maintenance.gc import DEFAULT_GRACE, GcReport, collect_garbage
 from ckptstore.settings import LOCAL_DIR_ENV
 from ckptstore.tiers import TierConfig

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from ckptstore.cli.args import parse_target
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import emit, human_bytes, quoted
+from ckptstore.cli.output import emit, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import ConfigError
+from ckptstore.formatting import human_bytes
 from ckptstore.names import printable
 
 

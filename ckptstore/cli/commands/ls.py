@@ -10,8 +10,9 @@ from typing import Any
 from ckptstore.cli.args import lookup_name
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import Column, emit, human_bytes, quoted
+from ckptstore.cli.output import Column, emit, quoted
 from ckptstore.cli.protocol import Subparsers
+from ckptstore.formatting import human_bytes
 from ckptstore.manifest import reading as reads
 from ckptstore.manifest.records import CheckpointInfo, as_dict
 from ckptstore.manifest.statuses import Status

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import RATIOS_HELP, Column, emit, human_bytes, ratio
+from ckptstore.cli.output import RATIOS_HELP, Column, emit
 from ckptstore.cli.protocol import Subparsers
+from ckptstore.formatting import human_bytes, ratio
 from ckptstore.manifest import reporting as reports
 
 COLUMNS = (

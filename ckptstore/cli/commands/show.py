@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 from ckptstore.cli.args import parse_target
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import Column, cell, emit, human_bytes, render, table
+from ckptstore.cli.output import Column, cell, emit, render, table
 from ckptstore.cli.protocol import Subparsers
+from ckptstore.formatting import human_bytes
 from ckptstore.integrations.formats import format_of
 from ckptstore.manifest import reading as reads
 from ckptstore.manifest.records import CheckpointInfo, as_dict, field_names

@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING
 from ckptstore.cli.args import DIGITS, parse_target
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK, EXIT_PROBLEMS
-from ckptstore.cli.output import emit, human_bytes, jsonable, progress, quoted
+from ckptstore.cli.output import emit, jsonable, progress, quoted
 from ckptstore.cli.protocol import Subparsers
+from ckptstore.formatting import human_bytes
 from ckptstore.manifest import reading as reads
 from ckptstore.names import printable
 

@@ -20,7 +20,13 @@ from typing import Any
 import torch
 
 from ckptstore.errors import ConfigError, IntegrityError
-from ckptstore.floor import WRONG_METADATA, check_shape, check_tiling, torch_dtype, torch_dtype_name
+from ckptstore.extending import (
+    WRONG_METADATA,
+    check_shape,
+    check_tiling,
+    torch_dtype,
+    torch_dtype_name,
+)
 from ckptstore.integrations._common.documents import collector_paused, naturals
 from ckptstore.integrations._common.names import MEGATRON_META
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityError, UnreadableError
-from ckptstore.floor import (
+from ckptstore.extending import (
     WRONG_METADATA,
     CheckpointInfo,
     ComponentReader,

@@ -39,7 +39,7 @@ from ckptstore.errors import (
     StoreNotFoundError,
     UnreadableError,
 )
-from ckptstore.floor import CheckpointInfo, ObjectStore, Run, mark_corrupt, open_store
+from ckptstore.extending import CheckpointInfo, ObjectStore, Run, mark_corrupt, open_store
 from ckptstore.integrations.dcp._dist import distributed, failures, rank, single_process_ok, summary
 from ckptstore.integrations.dcp._plan import LoadPlan
 from ckptstore.integrations.dcp._planners import NoPickleLoadPlanner

@@ -37,7 +37,7 @@ from ckptstore.errors import (
     SerializationError,
     UnreadableError,
 )
-from ckptstore.floor import (
+from ckptstore.extending import (
     WRONG_METADATA,
     check_digest,
     check_shape,

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ckptstore.errors import SerializationError
-from ckptstore.floor import torch_dtype, torch_dtype_name
+from ckptstore.extending import torch_dtype, torch_dtype_name
 
 #: Deeper values are refused (and Python's recursion limit stays far away).
 MAX_DEPTH = 100

@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 
 from ckptstore.errors import ComponentNotFoundError, ConfigError, IntegrityError
-from ckptstore.floor import (
+from ckptstore.extending import (
     CheckpointInfo,
     check_digest,
     checkpoint_info_from_json,

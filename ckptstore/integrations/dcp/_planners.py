@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ckptstore.floor import HostBuffers
+from ckptstore.extending import HostBuffers
 from ckptstore.integrations.dcp._plainvalues import decode_plain, encode_plain
 
 # -- planners ---------------------------------------------------------------------------------

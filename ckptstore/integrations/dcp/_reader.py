@@ -27,7 +27,7 @@ from ckptstore.errors import (
     IntegrityError,
     SerializationError,
 )
-from ckptstore.floor import (
+from ckptstore.extending import (
     BlobCache,
     CheckpointInfo,
     ComponentReader,

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ckptstore.errors import SaveError
-from ckptstore.floor import CheckpointInfo, ObjectStore, Run, ShardReceipt, WriterOptions
+from ckptstore.extending import CheckpointInfo, ObjectStore, Run, ShardReceipt, WriterOptions
 from ckptstore.integrations.dcp._dist import distributed, single_process_ok, summary
 from ckptstore.integrations.dcp._planners import NoPickleSavePlanner, SnapshotStager
 from ckptstore.integrations.dcp._writer import CkptStoreWriter

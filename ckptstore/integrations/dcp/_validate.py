@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
 from ckptstore.errors import IntegrityError
-from ckptstore.floor import WRONG_METADATA, ComponentReader, Entry, torch_dtype
+from ckptstore.extending import WRONG_METADATA, ComponentReader, Entry, torch_dtype
 from ckptstore.integrations._common.documents import collector_paused
 from ckptstore.integrations.dcp._metadata import Locations, StoredMetadata, rank_component
 

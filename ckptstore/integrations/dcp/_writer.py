@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptstore.errors import CkptStoreError, ConfigError, SaveError, SerializationError
-from ckptstore.floor import (
+from ckptstore.extending import (
     CheckpointInfo,
     ObjectStore,
     Run,

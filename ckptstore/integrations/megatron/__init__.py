@@ -71,7 +71,7 @@ from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[i
 )
 
 from ckptstore.errors import ConfigError, SerializationError
-from ckptstore.floor import CheckpointInfo, ObjectStore, Run, check_savable
+from ckptstore.extending import CheckpointInfo, ObjectStore, Run, check_savable
 from ckptstore.integrations._common.megatron_layout import (
     META,
     SHARD_PREFIX,

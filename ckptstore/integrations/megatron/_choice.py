@@ -14,7 +14,7 @@ from typing import Any
 
 from ckptstore import errors
 from ckptstore.errors import CkptStoreError
-from ckptstore.floor import ObjectStore, checkpoint_info_from_json, checkpoint_info_to_json
+from ckptstore.extending import ObjectStore, checkpoint_info_from_json, checkpoint_info_to_json
 from ckptstore.integrations._common.megatron_source import Source
 
 #: What the record's errors call the message it came in.

@@ -3,7 +3,7 @@
 Sequence (every rank, in the order Megatron calls the strategy):
 
 1. Each rank stores the main replicas of its shards as ``megatron/rank<r>`` through a
-   :class:`~ckptstore.floor.ShardWriter` and keeps an :class:`Outcome`: its receipt
+   :class:`~ckptstore.extending.ShardWriter` and keeps an :class:`Outcome`: its receipt
    and layout, or the error that stopped it. An async save does this in Megatron's background
    process, which hands the outcome back as a JSON file (never a pickle).
 2. :func:`finish_save` (inside ``save``, or in an async request's finalize function, which
@@ -23,7 +23,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptstore.errors import SaveError
-from ckptstore.floor import (
+from ckptstore.extending import (
     ObjectStore,
     Run,
     ShardWriter,

@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.strategies.base import (  # type: ignore[i
 )
 
 from ckptstore.errors import ConfigError
-from ckptstore.floor import Run
+from ckptstore.extending import Run
 from ckptstore.integrations._common.megatron_layout import META
 from ckptstore.integrations._common.megatron_source import Source
 

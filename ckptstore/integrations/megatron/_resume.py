@@ -31,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, ConfigError, IntegrityError
-from ckptstore.floor import CheckpointInfo, MissingBlobError, ObjectStore, Run, mark_corrupt
+from ckptstore.extending import CheckpointInfo, MissingBlobError, ObjectStore, Run, mark_corrupt
 from ckptstore.integrations._common.megatron_layout import META
 from ckptstore.integrations._common.megatron_source import Source
 from ckptstore.integrations.megatron._choice import (

@@ -8,7 +8,7 @@ two stores for one rank is a mistake, never a choice.
 from __future__ import annotations
 
 from ckptstore.errors import ConfigError
-from ckptstore.floor import ObjectStore, Run, open_store
+from ckptstore.extending import ObjectStore, Run, open_store
 
 #: What a rank may name as its store: an open store or its URL.
 StoreArg = ObjectStore | str

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ckptstore.errors import ConfigError
-from ckptstore.floor import CheckpointInfo, Run
+from ckptstore.extending import CheckpointInfo, Run
 from ckptstore.integrations.formats import DCP
 
 #: The command that makes the same export by hand (named when this build cannot).

@@ -33,7 +33,7 @@ from torchtitan.config import (  # type: ignore[import-untyped,import-not-found,
 
 from ckptstore import RetentionPolicy, open_run
 from ckptstore.errors import ConfigError
-from ckptstore.floor import (
+from ckptstore.extending import (
     CheckpointInfo,
     ObjectStore,
     Run,

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from ckptstore import errors, open_run
 from ckptstore.errors import CheckpointNotFoundError, CkptStoreError, ConfigError, IntegrityError
-from ckptstore.floor import (
+from ckptstore.extending import (
     CheckpointInfo,
     ObjectStore,
     Run,

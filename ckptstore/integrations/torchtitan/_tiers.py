@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch.distributed as dist
 
 from ckptstore.errors import CkptStoreError
-from ckptstore.floor import Run, TierConfig, node_name
+from ckptstore.extending import Run, TierConfig, node_name
 
 log = logging.getLogger("ckptstore.integrations.torchtitan")
 
