@@ -25,6 +25,10 @@ from ckptstore.errors import (
     SerializationError,
     StorePermissionError,
 )
+
+# The integrations' checkpoint formats (DCP, Megatron-Core) join the registry that verify,
+# export and show look formats up in (ckptstore.formats); importing the table costs nothing.
+from ckptstore.integrations import formats as _formats  # noqa: F401  (registers them)
 from ckptstore.settings import package_version
 
 if TYPE_CHECKING:

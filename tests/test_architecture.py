@@ -34,6 +34,7 @@ LAYERS = {
     "tiers": 3,
     "checkpointer": 4,
     "extending": 5,
+    "formats": 5,
     "maintenance": 6,
     "integrations": 6,
     "testing": 6,
@@ -216,8 +217,9 @@ def test_manifest_levels_live_in_their_paths() -> None:
 # -- the public floor --------------------------------------------------------------------------
 
 REPO = PACKAGE.parent
-#: What an integration, or the trainer, may import from ckptstore (``ckptstore/extending.py``).
-FLOOR = frozenset({"ckptstore", "ckptstore.extending", "ckptstore.errors"})
+#: What an integration, or the trainer, may import from ckptstore (``ckptstore/extending.py``;
+#: ``ckptstore/formats.py`` is the registry an integration adds its checkpoint format to).
+FLOOR = frozenset({"ckptstore", "ckptstore.extending", "ckptstore.errors", "ckptstore.formats"})
 #: Internals trainer/ may import beyond FLOOR: none (it is the reference user: what it needs is
 #: public).
 TRAINER_ALSO: frozenset[str] = frozenset()

@@ -27,6 +27,13 @@ from typing import TYPE_CHECKING
 
 from ckptstore.errors import ConfigError, SerializationError
 from ckptstore.maintenance.export import make_dir
+from ckptstore.maintenance.hfdir import (
+    FILES_KEY,
+    INDEX_NAME,
+    previous_export,
+    remove_leftovers,
+    write_side_files,
+)
 from ckptstore.maintenance.safetensors_writer import FILE_MODE, SafetensorsFile, TensorSpec
 
 if TYPE_CHECKING:
@@ -42,7 +49,6 @@ MapFunction = Callable[[str, "torch.Tensor"], MapResult]
 EXAMPLE_MAP = "ckptstore.maintenance.hfnames:megatron_to_hf"
 #: --dtype's names.
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
-INDEX_NAME = "model.safetensors.index.json"
 #: Hugging Face's default shard size (``max_shard_size="5GB"``).
 DEFAULT_SHARD_SIZE = 5_000_000_000
 #: The metadata Hugging Face loaders require of a PyTorch safetensors file.
@@ -215,9 +221,13 @@ def export_hf(
     mapping: MapFunction | None = None,
     context: str = "",
     progress: Callable[[], None] | None = None,
+    files_digest: str | None = None,
 ) -> list[Path]:
-    """Hugging Face shards and their index under ``directory``; returns the files written
-    (the index last)."""
+    """Hugging Face shards and their index under ``directory``, with the config and tokenizer
+    files of the ``files`` component ``files_digest`` (an imported model's); returns the files
+    written (the index last). An earlier export's files there that this one does not write
+    again are removed after the new index is in place; safetensors files no earlier export
+    wrote are refused before anything is written (:mod:`ckptstore.maintenance.hfdir`)."""
     planned = plan(sources, mapping, dtype)
     shards = cut_shards(planned, shard_size)
     count = len(shards)
@@ -225,16 +235,24 @@ def export_hf(
         (directory / f"model-{n:05d}-of-{count:05d}.safetensors", specs)
         for n, specs in enumerate(shards, start=1)
     ]
+    previous = previous_export(directory)
     make_dir(directory, context)
     written = write_files(
         store, planned, files, mapping=mapping, context=context, progress=progress
     )
+    side = (
+        []
+        if files_digest is None
+        else write_side_files(store, files_digest, directory, context=context)
+    )
     weight_map = {spec.name: path.name for path, specs in files for spec in specs}
-    index = {
-        "metadata": {"total_size": sum(s.nbytes for _, specs in files for s in specs)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    return [*written, write_text(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")]
+    metadata: dict[str, object] = {"total_size": sum(s.nbytes for _, specs in files for s in specs)}
+    if side:
+        metadata[FILES_KEY] = [p.name for p in side]
+    index = {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}
+    index_path = write_text(directory / INDEX_NAME, json.dumps(index, indent=2) + "\n")
+    remove_leftovers(directory, previous, [*written, *side, index_path])
+    return [*written, *side, index_path]
 
 
 def export_single(

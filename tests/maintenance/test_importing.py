@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 import ckptstore
 from ckptstore.errors import ConfigError, SerializationError
 from ckptstore.integrations import dcp as ckpt_dcp
-from ckptstore.maintenance._dcp_pickle import load_metadata
-from ckptstore.maintenance.importing import ForbiddenPickleError, import_checkpoint
+from ckptstore.integrations.importing import ForbiddenPickleError, import_checkpoint
+from ckptstore.integrations.importing._dcp_pickle import load_metadata
 
 #: Every rank saves this (rank r holds rows of "model.w" by DTensor Shard(0) over 2 ranks).
 WRITER = textwrap.dedent(

@@ -14,6 +14,7 @@ from ckptstore.cli.exits import EXIT_OK
 from ckptstore.cli.output import emit, progress, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import ConfigError
+from ckptstore.integrations._common.names import HF_FILES
 from ckptstore.integrations.formats import format_of
 from ckptstore.maintenance import export_component
 from ckptstore.maintenance.export import FORMATS, check_output_dir, export_tensors, safe_path
@@ -46,8 +47,12 @@ def register(
             "torch DCP or Megatron-Core from several ranks is consolidated instead: its whole "
             "tensors, under their state-dict names, in DIR/consolidated.safetensors (or .pt), "
             "or with --hf as Hugging Face shards (model-0000k-of-0000N.safetensors and "
-            "model.safetensors.index.json). Safetensors files are written one tensor at a "
-            "time: memory holds about the largest tensor, not the model."
+            "model.safetensors.index.json), with the config and tokenizer files an imported "
+            "model brought (config.json, tokenizer.json, ...), so transformers' "
+            "from_pretrained(DIR) loads it. Exporting --hf again into the same DIR replaces "
+            "the earlier export's files; safetensors files no export wrote there are refused. "
+            "Safetensors files are written one tensor at a time: memory holds about the "
+            "largest tensor, not the model."
         ),
     )
     parser.add_argument("target", metavar="RUN@STEP")
@@ -112,7 +117,10 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
 
         sources = with_prefix(sources, args.prefix)
     context = f"run {quoted(name)}, step {info.step}"
-    written = export_consolidated(args, ctx, sources, out, context, shard_size, mapping)
+    files = next((c.index_digest for c in info.components if c.name == HF_FILES), None)
+    written = export_consolidated(
+        args, ctx, sources, out, context, shard_size, mapping, files_digest=files
+    )
     emit(args, {"files": written}, text="\n".join(map(printable, written)))
     return EXIT_OK
 
@@ -157,9 +165,12 @@ def export_consolidated(
     context: str,
     shard_size: int,
     mapping: MapFunction | None,
+    *,
+    files_digest: str | None = None,
 ) -> list[str]:
-    """A multi-rank checkpoint's whole tensors: HF shards, one safetensors file (both written
-    tensor by tensor), or one torch file."""
+    """A multi-rank checkpoint's whole tensors: HF shards (with the config and tokenizer files
+    of the ``files`` component ``files_digest``, an imported model's), one safetensors file
+    (both written tensor by tensor), or one torch file."""
     from ckptstore.maintenance import hfexport
     from ckptstore.maintenance.export_sources import iter_assembled
 
@@ -178,6 +189,7 @@ def export_consolidated(
                 mapping=mapping,
                 context=context,
                 progress=bar.update,
+                files_digest=files_digest,
             )
             return [str(f) for f in files]
         path = hfexport.export_single(

@@ -7,3 +7,8 @@ second) for checkpoints that are not DCP ones."""
 DCP_METADATA = "dcp/metadata"
 #: The component holding a Megatron checkpoint's metadata.json, layout and world size.
 MEGATRON_META = "megatron/meta"
+#: The component holding an imported Hugging Face directory's config and tokenizer files
+#: (file name -> bytes), which ``export --hf`` writes back beside the shards.
+HF_FILES = "hf/files"
+#: Its component kind.
+FILES_KIND = "files"

@@ -22,6 +22,7 @@ import io
 import pathlib
 import pickle
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -200,9 +201,9 @@ def load_torch_saved(blob: bytes, where: str) -> Any:
         raise SerializationError(f"{where}: not a torch.save file (no single data.pkl)")
     root = pickles[0][: -len("data.pkl")]
     byteorder = f"{root}byteorder"
-    if byteorder in names and archive.read(byteorder) != b"little":
+    if byteorder in names and _member(archive, byteorder, where) != b"little":
         raise SerializationError(f"{where}: saved big-endian; import it on a big-endian host")
-    data = archive.read(pickles[0])
+    data = _member(archive, pickles[0], where)
     value = _unpickle(data, where, _TorchSaveUnpickler(data, where))
     if isinstance(value, _TensorRef):
         return _tensor(archive, root, value, where)
@@ -210,12 +211,26 @@ def load_torch_saved(blob: bytes, where: str) -> Any:
     return value
 
 
+def _member(archive: zipfile.ZipFile, name: str, where: str) -> bytes:
+    """One record of the archive; a damaged one (its header, offsets, compression, CRC) is
+    the file's error, whatever :mod:`zipfile` raises for it."""
+    try:
+        return archive.read(name)
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError, zlib.error) as exc:
+        raise SerializationError(f"{where}: record {name!r} is damaged ({exc})") from None
+    except (
+        NotImplementedError,
+        RuntimeError,
+    ) as exc:  # a compression or encryption torch never writes
+        raise SerializationError(f"{where}: record {name!r} cannot be read ({exc})") from None
+
+
 def _tensor(archive: zipfile.ZipFile, root: str, ref: _TensorRef, where: str) -> torch.Tensor:
     """The tensor ``ref`` describes, cut from its storage record (a contiguous copy)."""
-    try:
-        raw = archive.read(f"{root}data/{ref.storage.key}")
-    except KeyError:
-        raise SerializationError(f"{where}: storage {ref.storage.key!r} is missing") from None
+    name = f"{root}data/{ref.storage.key}"
+    if name not in archive.NameToInfo:
+        raise SerializationError(f"{where}: storage {ref.storage.key!r} is missing")
+    raw = _member(archive, name, where)
     itemsize = ref.storage.dtype.itemsize
     if len(raw) != ref.storage.numel * itemsize:
         raise SerializationError(f"{where}: storage {ref.storage.key!r} has the wrong length")
