@@ -7,10 +7,10 @@ import contextlib
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-from ckptstore.manifest.db import Database, resolve_url
 from ckptstore.settings import default_db, default_store
 
 if TYPE_CHECKING:
+    from ckptstore.manifest.db import Database
     from ckptstore.objectstore import ObjectStore
 
 
@@ -38,6 +38,8 @@ class CliContext:
     @property
     def db_url(self) -> str:
         """The database's URL, resolved without opening or creating anything."""
+        from ckptstore.manifest.db import resolve_url  # SQLAlchemy: only once a command needs it
+
         return resolve_url(self.db_location, create=False)
 
     @property
@@ -51,19 +53,30 @@ class CliContext:
 
     @property
     def store(self) -> ObjectStore:
-        """The object store, which must exist (a missing directory is not created)."""
+        """The object store, which must exist (a missing directory is not created) and, if
+        remote, answer: its bucket exists and the credentials are accepted."""
         if self._store is None:
             # Imported here: commands that only read the database never load the store
             # backends (boto3, numpy).
-            from ckptstore.objectstore import open_store
+            from ckptstore.objectstore import LocalStore, open_store
 
             location = self.args.store if self.args.store is not None else default_store()
-            self._store = open_store(location, create=False)
-            self._opened.callback(self._store.close)
+            store = open_store(location, create=False)
+            self._opened.callback(store.close)
+            if not isinstance(store, LocalStore):
+                # One request now: a missing bucket, refused credentials or an endpoint that
+                # does not answer end the command at once, in one line, before its setup
+                # (torch for verify, a pass over the manifest) and before any retried read.
+                # A local store was checked by open_store; its check_usable asks for write
+                # access, which a read does not need.
+                store.check_usable()
+            self._store = store
         return self._store
 
     def _database(self, *, check_schema: bool, create: bool) -> Database:
         if self._db is None:
+            from ckptstore.manifest.db import Database  # SQLAlchemy: only when a command opens it
+
             self._db = Database(self.db_location, check_schema=check_schema, create=create)
             self._opened.callback(self._db.close)
         return self._db

@@ -15,7 +15,9 @@ import argparse
 import dataclasses
 import datetime as dt
 import json
+import logging
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -99,6 +101,31 @@ def cell(value: Any) -> str:
     return printable(value)
 
 
+#: The widest metrics cell a table shows; ``--json`` has every value in full.
+METRICS_WIDTH = 60
+
+
+def compact_metrics(metrics: Mapping[str, Any] | None, width: int = METRICS_WIDTH) -> str:
+    """``metrics`` as a table shows them: ``name=value`` pairs, floats to 4 significant
+    digits, cut at ``width`` characters with ``...`` (``-`` when there are none)."""
+    if not metrics:
+        return "-"
+    text = " ".join(f"{name}={_short(value)}" for name, value in metrics.items())
+    return text if len(text) <= width else text[: width - 3].rstrip() + "..."
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)  # a count, exact
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, separators=(",", ":"), default=json_value)
+
+
 def quoted(name: object) -> str:
     """``'name'``, escaped for a terminal, for messages."""
     return f"'{printable(name)}'"
@@ -123,26 +150,81 @@ def csv_value(value: Any) -> Any:
     return json_value(value) if isinstance(value, dt.datetime) else value
 
 
+#: Whether progress bars show: None (the default) on a terminal only, True (``-v`` or
+#: ``--progress``) on any stderr, False (``--json``) never. ``main`` sets it.
+_SHOW_PROGRESS: bool | None = None
+
+log = logging.getLogger("ckptstore.cli")
+
+
+def show_progress(mode: bool | None) -> None:
+    """Where bars show from now on: None on a terminal only, True on any stderr (a log file,
+    a CI console), False nowhere."""
+    global _SHOW_PROGRESS
+    _SHOW_PROGRESS = mode
+
+
 class Bar:
-    """A tqdm progress bar on stderr when it is a terminal; silent otherwise."""
+    """A tqdm progress bar on stderr (never stdout): on a terminal, or anywhere with ``-v`` /
+    ``--progress``; never with ``--json``. With ``-v`` each phase and the total are also
+    logged (INFO), so a log file says what took the time."""
 
     def __init__(self, total: int | None, desc: str, unit: str, enabled: bool) -> None:
         """A bar of ``total`` ``unit``s (None: unknown), shown only if ``enabled``."""
         self._bar: Any = None
-        if enabled and sys.stderr.isatty():
+        self.desc, self.unit, self.count = desc, unit, 0
+        self._started = time.monotonic()
+        if not enabled or _SHOW_PROGRESS is False:
+            return
+        log.info("%s: started%s", desc, "" if total is None else f" ({total} {unit})")
+        tty = sys.stderr.isatty()
+        if tty or _SHOW_PROGRESS:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit,
+                file=sys.stderr,
+                leave=not tty,  # on a terminal the result replaces it; in a log it stays
+                mininterval=0.1 if tty else 1.0,
+                dynamic_ncols=tty,
+            )
 
     def update(self, n: int = 1) -> None:
         """Advance by ``n``."""
+        self.count += n
         if self._bar is not None:
             self._bar.update(n)
 
+    def phase(self, name: str, total: int | None = None) -> None:
+        """Name the step now under way (``gc: sweep``); with its ``total``, the bar starts
+        again from 0 of it (the logged count goes on)."""
+        desc = f"{self.desc}: {name}"
+        self._log("%s (%d %s so far, %.1fs)", desc, self.count, self.unit, self._elapsed())
+        if self._bar is not None:
+            # Drawn now (a phase may end within mininterval); reset draws it itself.
+            self._bar.set_description_str(desc, refresh=total is None)
+            if total is not None:
+                self._bar.reset(total=total)
+
     def close(self) -> None:
-        """Take the bar off the terminal."""
+        """Take the bar off the terminal (in a log, its last state stays)."""
         if self._bar is not None:
             self._bar.close()
+            self._bar = None
+        log.info("%s: %d %s in %.1fs", self.desc, self.count, self.unit, self._elapsed())
+
+    def _log(self, message: str, *args: object) -> None:
+        """``log.info``, on a line of its own while the bar is drawn."""
+        if self._bar is None or not log.isEnabledFor(logging.INFO):
+            log.info(message, *args)
+            return
+        with self._bar.external_write_mode(file=sys.stderr):
+            log.info(message, *args)
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self._started
 
 
 @contextmanager

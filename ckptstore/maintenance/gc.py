@@ -56,6 +56,9 @@ DEFAULT_GRACE = dt.timedelta(hours=6)
 LEASE_TTL = dt.timedelta(minutes=15)
 #: Blob rows (or listed objects) one read of a pass takes: what a GC holds in memory at once.
 _WINDOW = 10_000
+#: Told ``(phase, 0)`` as each phase begins ("mark", "sweep", "orphans", "incomplete",
+#: "tiers"), then ``(phase, n)`` as n more blobs are condemned, blobs deleted (or, in a dry
+#: run, found) or store objects listed.
 Progress = Callable[[str, int], None]
 T = TypeVar("T")
 
@@ -197,6 +200,8 @@ class _Pass:
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         started = time.perf_counter()
+        if self.progress:
+            self.progress(phase, 0)
         try:
             yield
         finally:
@@ -265,6 +270,8 @@ class _Pass:
         ):
             report.condemned += count
             report.condemned_bytes += size
+            if self.progress:
+                self.progress("mark", count)
 
     def sweep(self, cutoff: dt.datetime) -> None:
         report, corrupt = self.report, self.report.release_corrupt
@@ -289,7 +296,7 @@ class _Pass:
         ):
             report.swept += count
             report.swept_bytes += size
-            if self.progress and not report.dry_run:
+            if self.progress:
                 self.progress("sweep", count)
 
     def delete_objects(self, digests: Sequence[str]) -> None:
@@ -323,5 +330,5 @@ class _Pass:
                 self.held(self.deleting, started, len(batch))
         report.orphans += len(orphans)
         report.orphan_bytes += sum(sizes[d] for d in orphans)
-        if self.progress and not report.dry_run:
+        if self.progress:
             self.progress("orphans", len(sizes))

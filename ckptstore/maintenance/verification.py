@@ -3,7 +3,7 @@
 Only proven damage (a missing blob, bytes that fail their checksum or digest) marks a
 checkpoint corrupt; a blob this process cannot read is reported and changes nothing. Metadata
 that its loader refuses is proof too: a DCP or Megatron checkpoint whose blobs verify is then
-checked as a load checks it (``integrations.formats``: each tensor's chunks tile it, sizes
+checked as a load checks it (``ckptstore.formats``: each tensor's chunks tile it, sizes
 agree with the rank components' entries), reading only its metadata and indexes; when that
 fails the checkpoint is marked corrupt and no blob is quarantined (the blobs are healthy). A
 checkpoint that stays marked corrupt is reported by every later pass until it is repaired
@@ -120,6 +120,7 @@ def verify(
     workers: int = 8,
     progress: Progress | None = None,
     seed: int | None = None,
+    planned: Progress | None = None,
 ) -> VerifyReport:
     """Check every blob (or ``sample`` random blobs per checkpoint) of committed checkpoints.
 
@@ -131,11 +132,20 @@ def verify(
     re-verified in full too, and those whose every blob verifies again (a good copy was
     re-uploaded or restored) and whose metadata passes become committed again (only if
     ``mark_corrupt``). Checkpoints left marked corrupt are listed in ``still_corrupt``.
+    ``planned`` is told once how many blobs the pass will check (after any recheck), and
+    ``progress`` each blob as it is checked.
     """
     report = VerifyReport()
     if recheck:
         _recheck(db, store, run, step, report, mark_corrupt, workers, progress)
     targets = _targets(db, run, step)
+    if planned:
+        # Each blob once (a shared one is checked for its first checkpoint), or the samples.
+        planned(
+            len({d for t in targets for d in t.owners})
+            if sample is None
+            else sum(min(sample, len(t.owners)) for t in targets)
+        )
     rng = random.Random(seed)
     verdicts: dict[str, Verdict] = {}  # digest -> (kind, detail), or None if it verified
     to_mark: list[tuple[_Target, Verdict, list[str]]] = []
@@ -213,8 +223,9 @@ def _check_metadata(
     kind, detail). Kind "metadata": the metadata is wrong, the digest its component's index;
     "missing" or "corrupt": a blob the checkpoint references was found damaged on the way;
     "unreadable": this process cannot check it."""
-    # Imported here: the formats' checks (and torch.distributed for DCP) only when used.
-    from ckptstore.integrations.formats import metadata_component, validate_checkpoint
+    # The registry (below the integrations, which register their formats in it): each
+    # format's checks (and torch.distributed for DCP) are imported only when used.
+    from ckptstore.formats import metadata_component, validate_checkpoint
 
     component = metadata_component(info)
     if component is None:

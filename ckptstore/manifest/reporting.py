@@ -37,6 +37,8 @@ class RunSummary:
     failed: int
     #: Checkpoints marked corrupt (damage found by a load or ``verify``, until repaired).
     corrupt: int
+    #: Checkpoints deleted by retention (their rows stay, for history and ``plot``).
+    deleted: int
     latest_step: int | None
     metric_name: str | None
     #: The best value of the run's metric over its committed checkpoints.
@@ -65,22 +67,25 @@ _FROM_VIEW = (
 def run_summaries(db: Database) -> list[RunSummary]:
     """Every run's summary, by run name."""
     view = table("run_summary", column("run_id"), *(column(name) for name in _FROM_VIEW))
-    corrupt = (
-        select(checkpoints.c.run_id, func.count())
-        .where(checkpoints.c.status == Status.CORRUPT)
-        .group_by(checkpoints.c.run_id)
+    counted = (
+        select(checkpoints.c.run_id, checkpoints.c.status, func.count())
+        .where(checkpoints.c.status.in_([Status.CORRUPT, Status.DELETED]))
+        .group_by(checkpoints.c.run_id, checkpoints.c.status)
     )
     with db.connect() as conn:
         rows = conn.execute(select(*view.c).order_by(view.c.run)).all()
         usage = _usage_by(conn, by_run=True)
-        damaged: dict[Any, int] = {run_id: int(n) for run_id, n in conn.execute(corrupt)}
+        by_status: dict[tuple[Any, str], int] = {
+            (run_id, str(status)): int(n) for run_id, status, n in conn.execute(counted)
+        }
     summaries = []
     for row in rows:
         used = usage.get(row.run_id) or Usage(row.run, 0, 0, 0, 0, 0)
         summaries.append(
             RunSummary(
                 **{name: getattr(row, name) for name in _FROM_VIEW},
-                corrupt=damaged.get(row.run_id, 0),
+                corrupt=by_status.get((row.run_id, Status.CORRUPT), 0),
+                deleted=by_status.get((row.run_id, Status.DELETED), 0),
                 logical_bytes=used.logical_bytes,
                 stored_bytes=used.stored_bytes,
                 dedup_ratio=used.dedup_ratio,

@@ -8,9 +8,10 @@ and one :func:`register_backend` call. Remote backends send their requests throu
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ckptstore.objectstore._local import LocalStore, open_file_url, open_path
 from ckptstore.objectstore._retry import RetryPolicy
-from ckptstore.objectstore._s3 import S3Store, open_s3_url
 from ckptstore.objectstore.base import BytesLike, ObjectInfo, ObjectStore, PutData
 from ckptstore.objectstore.registry import (
     Backend,
@@ -20,6 +21,9 @@ from ckptstore.objectstore.registry import (
     open_store,
     register_backend,
 )
+
+if TYPE_CHECKING:
+    from ckptstore.objectstore._s3 import S3Store
 
 __all__ = [
     "Backend",
@@ -39,4 +43,23 @@ __all__ = [
 
 register_backend("", open_path, description="a directory path")
 register_backend("file", open_file_url, description="file:///abs/path")
-register_backend("s3", open_s3_url, description="s3://bucket/prefix")
+
+
+def _open_s3_url(url: StoreURL, *, create: bool, **options: Any) -> ObjectStore:
+    # boto3 (a few tenths of a second to import) only for a store that is on S3.
+    from ckptstore.objectstore._s3 import open_s3_url
+
+    return open_s3_url(url, create=create, **options)
+
+
+def __getattr__(name: str) -> Any:
+    # S3Store, imported on first use (with boto3): a local store's process never pays for it.
+    if name == "S3Store":
+        from ckptstore.objectstore._s3 import S3Store
+
+        globals()["S3Store"] = S3Store
+        return S3Store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+register_backend("s3", _open_s3_url, description="s3://bucket/prefix")

@@ -17,7 +17,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from ckptstore.cas.blobs import get_blob
-from ckptstore.cas.header import MAX_RAW_LEN, Kind
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore.base import ObjectStore
 from ckptstore.serialize.assemble import (
@@ -27,11 +26,9 @@ from ckptstore.serialize.assemble import (
     max_blob_len,
     with_context,
 )
-from ckptstore.serialize.index import ComponentIndex, Entry, Segment, decode_index
+from ckptstore.serialize.index import ComponentIndex, Entry, Segment
+from ckptstore.serialize.indexes import fetch_index
 from ckptstore.serialize.tree import rebuild, tensor_paths
-
-#: The largest index blob a load accepts (an index of a million entries is ~200 MiB).
-MAX_INDEX_BYTES = 1 << 30
 
 
 class PlannedLoad:
@@ -89,20 +86,9 @@ class ComponentReader:
             return self._index
 
     def _fetch_index(self) -> ComponentIndex:
-        # The manifest's length is evidence about the blob (a header declaring more is
-        # damaged); MAX_INDEX_BYTES is only this reader's cap (more is unreadable here).
-        header, raw = get_blob(
-            self.store,
-            self.index_digest,
-            context=with_context(self.context, "index"),
-            max_raw_len=MAX_RAW_LEN if self.index_len is None else self.index_len,
-            limit=MAX_INDEX_BYTES,
+        return fetch_index(
+            self.store, self.index_digest, context=self.context, index_len=self.index_len
         )
-        if header.kind is not Kind.INDEX:
-            raise IntegrityError(
-                f"{self._where}: blob is a {header.kind.name.lower()}, not an index"
-            )
-        return decode_index(raw, self._where)
 
     @property
     def entries(self) -> tuple[Entry, ...]:

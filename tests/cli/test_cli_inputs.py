@@ -28,7 +28,7 @@ from ckptstore.checkpointer import open_run
 from ckptstore.cli import main
 from ckptstore.cli.commands import du as du_command
 from ckptstore.manifest.db import head_revision
-from ckptstore.objectstore import _s3
+from ckptstore.objectstore import _s3, _s3_client
 
 #: A run name that would recolour the terminal and reverse the text after it if printed raw.
 EVIL = "evil\x1b[31m\u202ename"
@@ -518,13 +518,15 @@ def test_an_unreachable_store_endpoint_is_one_error_without_retry_warnings(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    # The store's default policy is built in _s3_client.retry_policy.
     fast = _s3.RetryPolicy(max_attempts=4, base_delay=0.001, max_delay=0.01)
-    monkeypatch.setattr(_s3, "RetryPolicy", lambda: fast)
+    monkeypatch.setattr(_s3_client, "RetryPolicy", lambda: fast)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
     with caplog.at_level("DEBUG", "ckptstore.objectstore"):
         code, out, err = run_cli(capsys, "--db", str(site.db), "--store", "s3://bucket/p", "verify")
     assert (code, out) == (3, "")
-    assert_error(err, "http://127.0.0.1:1", "reachable")
+    # The store is asked once, when the command opens it (S3Store.check_usable).
+    assert_error(err, "http://127.0.0.1:1", "did not answer", "check the endpoint")
     logged = [r for r in caplog.records if r.name == "ckptstore.objectstore"]
     assert logged, "the retries are logged, at DEBUG"
     assert all(r.levelname == "DEBUG" for r in logged)

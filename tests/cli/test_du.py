@@ -4,7 +4,10 @@ dedup and compression figures ``runs`` reports too (one definition, stated in ``
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+import torch
 from populated import Populated, cli, cli_json
 from sqlalchemy import select
 from tiny_runs import Site
@@ -12,6 +15,7 @@ from tiny_runs import Site
 from ckptstore.cas import blob_key
 from ckptstore.checkpointer import open_run
 from ckptstore.cli import main
+from ckptstore.cli.commands.du import STORED_OVER_LOGICAL
 from ckptstore.manifest import Database
 from ckptstore.manifest.models import BlobRow, CheckpointBlobRow, Status
 
@@ -124,3 +128,21 @@ def test_du_and_runs_help_states_the_definition(
     shown = " ".join(capsys.readouterr().out.split())
     assert "dedup = referenced / unique" in shown
     assert "compression = unique / stored" in shown
+
+
+def test_du_explains_stored_over_logical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A tiny state is stored in more bytes than it holds (its index, headers): the note says
+    # why for that run only; a run of zeros compresses to far below its logical bytes.
+    site = Site(f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "store")
+    with open_run("tiny", db=site.db_url, store=site.store, async_save=False) as run:
+        run.save(1, {"w": torch.ones(3)})
+    with open_run("zeros", db=site.db_url, store=site.store, async_save=False) as run:
+        run.save(1, {"w": torch.zeros(2**18)})
+    code, out, err = cli(site, capsys, "du")
+    assert (code, err) == (0, "")
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert notes == [STORED_OVER_LOGICAL.format(runs="tiny")]
+    usage = cli_json(site, capsys, "du")  # JSON has the figures, no prose
+    assert "note" not in usage

@@ -14,6 +14,8 @@ def test_runs(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
     alpha, beta = rows["alpha"], rows["beta"]
     assert (alpha["checkpoints"], alpha["committed"], alpha["failed"]) == (7, 3, 1)
     assert (alpha["corrupt"], beta["corrupt"]) == (0, 0)
+    # Steps 1, 3 and 6 of alpha were deleted by retention (keep the best two and the latest).
+    assert (alpha["deleted"], beta["deleted"]) == (3, 0)
     assert (alpha["latest_step"], alpha["metric_name"], alpha["best_metric"]) == (
         7,
         "train:reward",
@@ -29,9 +31,10 @@ def test_runs(populated: Populated, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(populated, capsys, "runs")
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    assert lines[0].split()[:6] == ["run", "ckpts", "committed", "failed", "corrupt", "latest"]
-    assert lines[2].split()[:6] == ["alpha", "7", "3", "1", "0", "7"]
-    assert lines[3].split()[:6] == ["beta", "2", "2", "0", "0", "2"]
+    head = ["run", "ckpts", "committed", "failed", "corrupt", "deleted", "latest"]
+    assert lines[0].split()[:7] == head
+    assert lines[2].split()[:7] == ["alpha", "7", "3", "1", "0", "3", "7"]
+    assert lines[3].split()[:7] == ["beta", "2", "2", "0", "0", "0", "2"]
 
 
 def test_runs_counts_corrupt_checkpoints(

@@ -152,3 +152,25 @@ def test_sql_attach_creates_no_file(tmp_path: Path, capsys: pytest.CaptureFixtur
     capsys.readouterr()
     main(["--db", db_url, "sql", f"ATTACH DATABASE '{target}' AS evil"])
     assert not target.exists()
+
+
+def test_an_unknown_table_or_column_lists_what_exists(
+    sql_store: Populated, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = superuser_flag(sql_store.db_url)
+    code, out, err = cli(sql_store, capsys, "sql", "SELECT * FROM checkpoint", *flags)
+    assert (code, out) == (3, "")
+    assert_one_line_error(err, "the tables and views it can read: runs, checkpoints, ")
+    assert "run_summary" in err
+
+    query = "SELECT c.stepp FROM checkpoints c JOIN runs r ON r.id = c.run_id"
+    code, out, err = cli(sql_store, capsys, "sql", query, *flags)
+    assert (code, out) == (3, "")
+    assert_one_line_error(err, "the columns: runs(id, name, ", "checkpoints(id, run_id, step, ")
+    assert "blobs(" not in err  # only the relations the query names
+
+    # Any other failure is reported as it was.
+    code, out, err = cli(sql_store, capsys, "sql", "SELECT 1 +", *flags)
+    assert code != 0
+    assert "the columns" not in err
+    assert "the tables" not in err

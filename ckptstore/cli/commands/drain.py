@@ -50,18 +50,20 @@ def register(
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     """Drain the checkpoint; exit 1 if it is still local-durable afterwards (a deadline)."""
-    from ckptstore.checkpointer.open import open_run
-    from ckptstore.tiers import TierConfig
-
     name, step = parse_target(args.target)
     if not args.local_dir:
         raise ConfigError(
             f"drain reads the node-local tiers: pass --local-dir DIR (or set ${LOCAL_DIR_ENV}) "
             "as the run's TierConfig.local_dir / checkpointing.local_dir names them"
         )
+    store = ctx.store  # a wrong store fails here, in one request, before torch is imported
+
+    from ckptstore.checkpointer.open import open_run
+    from ckptstore.tiers import TierConfig
+
     deadline = None if args.within is None else time.monotonic() + args.within
     tiers = TierConfig(local_dir=args.local_dir)
-    with open_run(name, db=ctx.db, store=ctx.store, writable=False, tiers=tiers) as opened:
+    with open_run(name, db=ctx.db, store=store, writable=False, tiers=tiers) as opened:
         report = opened.drain(step, deadline=deadline)
     if report is None:
         emit(

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import emit, progress
+from ckptstore.cli.output import Bar, emit, progress
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
@@ -49,18 +49,41 @@ def register(
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     """Collect garbage (or count it, ``--dry-run``) and report each phase."""
-    with progress(None, "gc", "blob", not args.json) as bar:
+    with progress(None, "gc", "item", not args.json) as bar:
         report = collect_garbage(
             ctx.db,
             ctx.store,
             grace=args.grace,
             dry_run=args.dry_run,
             release_corrupt=args.release_corrupt,
-            progress=lambda _phase, n: bar.update(n),
+            progress=_Phases(bar),
             tiers=TierConfig(local_dir=args.local_dir) if args.local_dir else None,
         )
     emit(args, report, text=_text(report, args.grace))
     return EXIT_OK
+
+
+#: What the bar says during each phase of a pass (its count: what the phase counts).
+PHASES = {
+    "mark": "mark (blobs condemned)",
+    "sweep": "sweep (blobs deleted)",
+    "orphans": "orphans (store objects listed)",
+    "incomplete": "unfinished writes",
+    "tiers": "node-local tiers",
+}
+
+
+class _Phases:
+    """GC's progress callback: names each phase on the bar as it begins, counts its items."""
+
+    def __init__(self, bar: Bar) -> None:
+        self.bar, self.current = bar, ""
+
+    def __call__(self, phase: str, count: int) -> None:
+        if phase != self.current:
+            self.current = phase
+            self.bar.phase(PHASES.get(phase, phase))
+        self.bar.update(count)
 
 
 def _text(report: GcReport, grace: dt.timedelta) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 from ckptstore.cli.args import lookup_name
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK
-from ckptstore.cli.output import Column, emit, quoted
+from ckptstore.cli.output import Column, compact_metrics, emit, quoted
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.formatting import human_bytes
 from ckptstore.manifest import reading as reads
@@ -28,7 +28,7 @@ COLUMNS = (
     Column("uploaded", "uploaded_bytes", human_bytes),
     Column("save s", "save_seconds"),
     Column("blocked s", "blocked_seconds"),
-    Column("metrics", "metrics"),
+    Column("metrics", "metrics", compact_metrics),
 )
 
 

@@ -17,6 +17,7 @@ from ckptstore.cli.protocol import Subparsers
 from ckptstore.errors import CheckpointNotFoundError, ConfigError
 from ckptstore.manifest import reading as reads
 from ckptstore.manifest import reporting as reports
+from ckptstore.manifest.records import RunInfo
 from ckptstore.manifest.reporting import MetricPoint
 from ckptstore.manifest.statuses import Status
 from ckptstore.names import printable
@@ -40,12 +41,31 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     found = reads.require_run(ctx.db, lookup_name(args.run))
     points = reports.metric_points(ctx.db, found.id, metric)
     if not points:
+        known = _metric_names(ctx, found)
         raise CheckpointNotFoundError(
-            f"run {quoted(args.run)} has no checkpoint with metric {quoted(metric)}"
+            f"run {quoted(args.run)} has no checkpoint with metric {quoted(metric)}; "
+            + (
+                f"its metrics: {', '.join(map(printable, known))}"
+                if known
+                else "its checkpoints record no numeric metric (run.save(..., metrics={...}))"
+            )
         )
     _save(points, f"{printable(args.run)}: {printable(metric)}", printable(metric), args.output)
     emit(args, {"file": args.output, "points": len(points)}, text=printable(args.output))
     return EXIT_OK
+
+
+def _metric_names(ctx: CliContext, found: RunInfo) -> list[str]:
+    """The numeric metrics the run's committed and deleted checkpoints record, sorted."""
+    names: set[str] = set()
+    for info in reads.checkpoints(ctx.db, found, (Status.COMMITTED, Status.DELETED)):
+        metrics = info.metrics if isinstance(info.metrics, dict) else {}
+        names.update(
+            name
+            for name, value in metrics.items()
+            if isinstance(value, int | float) and not isinstance(value, bool)
+        )
+    return sorted(names)
 
 
 def _check_output(text: str) -> Path:
@@ -105,6 +125,8 @@ def _save(points: list[MetricPoint], title: str, label: str, output: str) -> Non
 
 
 def _draw(ax: Any, points: list[MetricPoint], label: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
     ax.plot([p.step for p in points], [p.value for p in points], color="tab:blue", label=label)
     kept = [p for p in points if p.status == Status.COMMITTED]
     gone = [p for p in points if p.status == Status.DELETED]
@@ -125,6 +147,8 @@ def _draw(ax: Any, points: list[MetricPoint], label: str) -> None:
             zorder=3,
             label="checkpoint (deleted by retention)",
         )
+    # Steps are whole numbers: no tick at 2.5 when a run has three checkpoints.
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3)

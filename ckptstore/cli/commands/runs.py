@@ -18,6 +18,7 @@ COLUMNS = (
     Column("committed", "committed"),
     Column("failed", "failed"),
     Column("corrupt", "corrupt"),
+    Column("deleted", "deleted"),
     Column("latest", "latest_step"),
     Column("metric", "metric_name", lambda name: name or "-"),
     Column("best", "best_metric"),
@@ -34,9 +35,9 @@ def register(
     return sub.add_parser(
         "runs",
         parents=parents,
-        description="One line per run: checkpoints (all, committed, failed, corrupt), the newest "
-        "committed step, the best value of the run's metric, and the bytes of its committed "
-        "checkpoints.",
+        description="One line per run: checkpoints (all, committed, failed, corrupt, deleted by "
+        "retention: rows kept for history), the newest committed step, the best value of the "
+        "run's metric, and the bytes of its committed checkpoints.",
         epilog=RATIOS_HELP,
     )
 

@@ -80,8 +80,10 @@ def _entries(
 ) -> dict[str, list[dict[str, Any]]]:
     """Component name -> its entries, from each component's index (but those whose names
     start with one of ``skip``: rank components listed by state-dict name instead)."""
-    from ckptstore.serialize.reader import ComponentReader  # torch: only for --entries
+    # The index alone: a listing reads no tensor and imports no torch.
+    from ckptstore.serialize.indexes import fetch_index
 
+    where = f"run {info.run!r}, step {info.step}"
     found = {}
     for comp in info.components:
         if any(comp.name.startswith(prefix) for prefix in skip):
@@ -95,7 +97,9 @@ def _entries(
                 "nbytes": e.nbytes,
                 **({} if e.is_array else {"value": e.value}),
             }
-            for e in ComponentReader(store, comp.index_digest).entries
+            for e in fetch_index(
+                store, comp.index_digest, context=f"{where}, component {comp.name!r}"
+            ).entries
         ]
     return found
 

@@ -48,21 +48,27 @@ def register(
 
 def run(args: argparse.Namespace, ctx: CliContext) -> int:
     """Verify; exit 1 if any problem remains, or any checkpoint is still marked corrupt."""
-    from ckptstore.maintenance import verify  # torch: imported only by this command
-
     name, step = parse_target(args.target) if args.target is not None else (None, None)
     if name is not None:
         reads.require_run(ctx.db, name)  # a typo is an error, not "0 checkpoints: OK"
+    # A wrong database or store fails here, in one request, before torch is imported.
+    db, store = ctx.db, ctx.store
+
+    from ckptstore.maintenance import verify  # torch: imported only by this command
+
     with progress(None, "verify", "blob", not args.json) as bar:
+        if args.recheck:
+            bar.phase("recheck")
         report = verify(
-            ctx.db,
-            ctx.store,
+            db,
+            store,
             run=name,
             step=step,
             sample=args.sample,
             mark_corrupt=not args.no_mark,
             recheck=args.recheck,
             progress=bar.update,
+            planned=lambda total: bar.phase("blobs", total),
         )
     pairs = {"corrupt_checkpoints": report.corrupt_checkpoints, "repaired": report.repaired}
     payload = jsonable(report) | {
