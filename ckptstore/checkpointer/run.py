@@ -19,6 +19,7 @@ from ckptstore.checkpointer.jsonvalues import plain_json
 from ckptstore.checkpointer.retention import RetentionPolicy, check_trigger
 from ckptstore.checkpointer.shards import ShardReceipt, check_kinds
 from ckptstore.checkpointer.snapshot import Snapshotter
+from ckptstore.checkpointer.step_log import StepLog
 from ckptstore.checkpointer.tiered import Tiers
 from ckptstore.errors import ConfigError, RunStateError
 from ckptstore.manifest import reading as reads
@@ -71,12 +72,29 @@ class Run:
         self._writer_options = writer_options
         self._queue: OneInFlight[SaveHandle] = OneInFlight(f"ckpt-save-{name}")
         self._closed = False
+        #: Per-step metrics not written yet (``log_metrics``; made at the first call).
+        self._step_log: StepLog | None = None
 
     def __repr__(self) -> str:
         mode = "writer" if self.epoch is not None else "reader"
         return f"Run({self.name!r}, {mode}, db={self.db!r}, store={self.store.url!r})"
 
     # -- saving -----------------------------------------------------------------------------
+
+    def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record per-step ``metrics`` (name -> number) at ``step`` in ``step_metrics``: kept
+        in memory and written in one transaction every 100 steps or 30 s, and at each save
+        and at close (never a write per step). Logging a step again replaces its values."""
+        if self.epoch is None or self._closed:
+            state = "closed" if self._closed else "open read-only"
+            raise RunStateError(f"run {self.name!r} is {state}: it cannot log metrics")
+        if self._step_log is None:
+            self._step_log = StepLog(self.db, self.id)
+        self._step_log.log(step, metrics)
+
+    def flush_metrics(self) -> int:
+        """Write the metrics ``log_metrics`` buffered now; how many values."""
+        return self._step_log.flush() if self._step_log is not None else 0
 
     def save(
         self,
@@ -127,6 +145,7 @@ class Run:
         changed = check_expect_changed(expect_changed, names)
         check_timings(started_at, blocked_seconds)
         self._queue.settle()
+        self.flush_metrics()
         request = commit.SaveRequest(
             step=step,
             # A synchronous save stores straight from the caller's tensors (it waits anyway).
@@ -382,7 +401,10 @@ class Run:
         if self._closed:
             return
         try:
-            self.finalize()
+            try:
+                self.flush_metrics()
+            finally:
+                self.finalize()
             if self.tiers is not None and self.writable:
                 # The last save (or drain) may have left copies no checkpoint keeps any more:
                 # nothing saves now, so the tiers drop them (bounded disk after the job too).

@@ -189,6 +189,23 @@ class BlobCopyRow(Base):
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
 
+class StepMetricRow(Base):
+    """A row of ``step_metrics``: one metric's value at one training step of a run (the
+    per-step curve; checkpoints' ``metrics`` hold the values at saves only).
+
+    Written in batches by ``Run.log_metrics`` (one transaction per flush); logging a step
+    again replaces its value. NULL: the value was NaN (SQLite stores no NaN)."""
+
+    __tablename__ = "step_metrics"
+    __table_args__ = ({"sqlite_with_rowid": False},)
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    value: Mapped[float | None] = mapped_column(Float)
+    recorded_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
 class GcLeaseRow(Base):
     """One row while a garbage collection runs: only one GC at a time."""
 

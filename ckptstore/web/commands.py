@@ -1,7 +1,9 @@
 """The exact commands that inspect, verify, export or load a checkpoint, ready to copy.
 
 Names are quoted for a POSIX shell (:func:`shlex.quote`) and for Python (:func:`repr`), so a
-copied command addresses exactly this checkpoint whatever its run is called.
+copied command addresses exactly this checkpoint whatever its run is called. The database and
+the store are named as ``ckptstore serve`` was given them (:func:`location_label`): relative
+paths stay relative to where the server was started, both alike.
 """
 
 from __future__ import annotations
@@ -9,10 +11,17 @@ from __future__ import annotations
 import re
 import shlex
 
+from ckptstore.manifest.db import redact
 from ckptstore.manifest.records import CheckpointInfo
 from ckptstore.manifest.statuses import Status
 
 _UNSAFE_FILE_CHARS = re.compile(r"[^A-Za-z0-9._+-]+")
+
+
+def location_label(db_location: str) -> str:
+    """The manifest database as the commands name it: a path as given, a URL with its
+    password masked."""
+    return redact(db_location) if "://" in db_location else db_location
 
 
 def for_checkpoint(info: CheckpointInfo, layout: str, db: str, store: str) -> list[str]:

@@ -24,6 +24,7 @@ from ckptstore.maintenance.usage import DiskUsage, disk_usage
 from ckptstore.manifest import reading as reads
 from ckptstore.manifest import reporting as reports
 from ckptstore.manifest import serving as webqueries
+from ckptstore.manifest import step_metrics
 from ckptstore.manifest.db import Database
 from ckptstore.manifest.records import CheckpointInfo, RunInfo
 from ckptstore.manifest.reporting import RunSummary
@@ -37,10 +38,10 @@ from ckptstore.manifest.serving import (
 )
 from ckptstore.manifest.statuses import Status
 from ckptstore.web import commands
-from ckptstore.web.compare import TensorDiff, compare, counts
 from ckptstore.web.durability import CheckpointRecord, records
-from ckptstore.web.entries import IndexCache, Piece, TensorRow, layout_of, tensor_rows
+from ckptstore.web.entries import IndexCache, TensorRow, layout_of, tensor_rows
 from ckptstore.web.fate import Fate, fates, metric_value, policy_of, ranked_by_metric
+from ckptstore.web.listing import PageInfo, Slice, sized, take
 
 if TYPE_CHECKING:
     from ckptstore.objectstore import ObjectInfo, ObjectStore
@@ -174,6 +175,8 @@ class RunView:
     forks: list[Lineage]
     tracker_url: str | None
     metrics: list[str]
+    #: The metrics logged per step (``/api/runs/NAME/steps`` has their curves).
+    step_metrics: list[str]
     checkpoints: list[CheckpointRow]
     page: int
     pages: int
@@ -216,6 +219,7 @@ def run_page(
             statuses=None if status is None else [status],
         )
         lines = webqueries.lineage(conn)
+        stepped = step_metrics.metric_names(conn, run.id)
     fate = fates(every, run.metric_name, run.higher_is_better, policy_of(run.config))
     tally = {t.status: t.count for t in tallies}
     total = tally.get(status, 0) if status else sum(tally.values())
@@ -230,7 +234,8 @@ def run_page(
         ),
         forks=[ln for ln in lines if ln.parent_checkpoint_id in own],
         tracker_url=tracker_url(run.config),
-        metrics=metric_names(every, run.metric_name),
+        metrics=metric_names(every, run.metric_name, stepped),
+        step_metrics=stepped,
         checkpoints=[CheckpointRow(c, fate[c.info.id]) for c in records(site.db, rows)],
         page=page,
         pages=max(1, math.ceil(total / PER_PAGE)),
@@ -266,9 +271,12 @@ def tracker_url(config: dict[str, Any] | None) -> str | None:
     return None
 
 
-def metric_names(points: Sequence[SavePoint], first: str | None, limit: int = 12) -> list[str]:
-    """Names of the numeric metrics the checkpoints recorded: the run's metric first."""
-    names: set[str] = set()
+def metric_names(
+    points: Sequence[SavePoint], first: str | None, stepped: Sequence[str] = (), limit: int = 12
+) -> list[str]:
+    """Names of the numeric metrics the checkpoints recorded, and of those ``stepped`` (logged
+    per step): the run's metric first."""
+    names: set[str] = set(stepped)
     for p in points:
         for key, value in (p.metrics or {}).items():
             if key not in names and isinstance(value, int | float) and not isinstance(value, bool):
@@ -289,7 +297,9 @@ class CheckpointView:
     run: RunInfo
     fate: Fate
     layout: str
+    #: The page of state-dict names the query asked for (``entries`` says which).
     tensors: list[TensorRow]
+    entries: PageInfo | None
     tensors_error: str | None
     ancestry: list[Lineage]
     forks: list[Lineage]
@@ -297,8 +307,26 @@ class CheckpointView:
     commands: list[str]
 
 
-def checkpoint_view(site: Site, checkpoint_id: int, *, tensors: bool = True) -> CheckpointView:
-    """The checkpoint page (``tensors=False``: without reading the store)."""
+#: How the checkpoint page sorts its state-dict names (``?sort=KEY``).
+TENSOR_SORTS = {
+    "name": lambda r: r.name,
+    "component": lambda r: r.component,
+    "kind": lambda r: r.kind,
+    "dtype": lambda r: r.dtype,
+    "shape": lambda r: r.shape,
+    "bytes": lambda r: r.nbytes,
+    "stored": lambda r: sized(r.stored_bytes),
+    "ranks": lambda r: r.ranks,
+}
+#: The checkpoint page's order without ``?sort=``: as saved.
+TENSOR_DEFAULT_SORT = "component"
+
+
+def checkpoint_view(
+    site: Site, checkpoint_id: int, *, tensors: bool = True, where: Slice | None = None
+) -> CheckpointView:
+    """The checkpoint page (``tensors=False``: without reading the store), its state-dict
+    names filtered, sorted and paged as ``where`` asks (default: the first page)."""
     info = find_checkpoint(site, checkpoint_id)
     run = reads.require_run(site.db, info.run)
     with site.db.connect() as conn:
@@ -310,6 +338,10 @@ def checkpoint_view(site: Site, checkpoint_id: int, *, tensors: bool = True) -> 
         every.append(own)
     fate = fates(every, run.metric_name, run.higher_is_better, policy_of(run.config))[info.id]
     rows, error = tensor_table(site, info) if tensors else ([], None)
+    where = where or Slice("", TENSOR_DEFAULT_SORT, 1)
+    shown, entries = (
+        take(rows, where, lambda r: r.name, TENSOR_SORTS) if tensors and not error else ([], None)
+    )
     earlier = [
         p for p in every if p.status == Status.COMMITTED and (p.step, p.id) < (info.step, info.id)
     ]
@@ -318,7 +350,8 @@ def checkpoint_view(site: Site, checkpoint_id: int, *, tensors: bool = True) -> 
         run=run,
         fate=fate,
         layout=layout_of(info.components),
-        tensors=rows,
+        tensors=shown,
+        entries=entries,
         tensors_error=error,
         ancestry=ancestry(lines, run.name),
         forks=[ln for ln in lines if ln.parent_checkpoint_id == info.id],
@@ -387,41 +420,6 @@ def with_sizes(row: TensorRow, facts: dict[str, webqueries.BlobFact]) -> TensorR
         round(stored) if known else None,
         tuple(sorted(codecs)),
     )
-
-
-# -- comparing two checkpoints ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CompareView:
-    """Two checkpoints' state-dict names side by side, each with a verdict."""
-
-    a: CheckpointInfo
-    b: CheckpointInfo
-    counts: dict[str, int]
-    diffs: list[TensorDiff]
-    error: str | None
-
-
-def compare_view(site: Site, a_id: int, b_id: int) -> CompareView:
-    """What changed from checkpoint ``a_id`` to ``b_id``, by content address alone."""
-    a, b = find_checkpoint(site, a_id), find_checkpoint(site, b_id)
-    a_rows, a_error = tensor_table(site, a)
-    b_rows, b_error = tensor_table(site, b)
-    error = a_error or b_error
-    if error:
-        return CompareView(a, b, {}, [], error)
-    with site.db.connect() as conn:
-        facts = webqueries.blob_facts(
-            conn, [p.digest for r in (*a_rows, *b_rows) for p in r.pieces]
-        )
-
-    def whole(piece: Piece) -> bool:
-        fact = facts.get(piece.digest)
-        return fact is not None and piece.offset == 0 and piece.length == fact.logical_bytes
-
-    diffs = compare(a_rows, b_rows, whole)
-    return CompareView(a, b, counts(diffs), diffs, None)
 
 
 # -- storage ---------------------------------------------------------------------------------------

@@ -21,6 +21,26 @@ from ckptstore.web.layout import (
 from ckptstore.web.markup import Markup, checkpoint_url, el, link, table, void
 from ckptstore.web.svg import Node, lineage_graph
 
+#: The headline of an error page, by status.
+ERROR_TITLES = {
+    400: "Bad request",
+    404: "Not found",
+    500: "Internal error",
+    503: "Database unavailable",
+}
+
+
+def error_page(status: int, message: str) -> Markup:
+    """An error as a page of the site (its navigation, the message, a link home); the API
+    answers errors as JSON instead."""
+    title = ERROR_TITLES.get(status, "Error")
+    return page(
+        f"{status} {title}",
+        el("h1", f"{status} {title}"),
+        el("p", message, class_="error"),
+        el("p", link("/", "Back to the runs"), class_="more"),
+    )
+
 
 def parent_cell(line: Lineage) -> Markup:
     """``parent@step`` linking to the checkpoint a run was forked from; ``-`` for a root."""
@@ -108,13 +128,15 @@ def storage_page(view: StorageView) -> Markup:
         )
         for u in [*usage.runs, usage.total]
     ]
+    # No compression ratio here: a component's logical bytes count its tensor data only, its
+    # stored bytes its index too (a component of plain values: 0 logical bytes, "0.00x").
+    # The usage and blob tables above and below compare raw with stored bytes of the same blobs.
     kinds = [
         (
             k.kind,
             k.components,
             human_bytes(k.logical_bytes),
             human_bytes(k.stored_bytes),
-            ratio(k.logical_bytes / k.stored_bytes if k.stored_bytes else None),
             k.distinct,
             human_bytes(k.distinct_stored_bytes),
         )
@@ -157,19 +179,12 @@ def storage_page(view: StorageView) -> Markup:
         el("h2", "By component kind"),
         el(
             "p",
-            "Committed checkpoints' components. Stored counts each component's blobs as if "
-            "alone; distinct counts a component saved again unchanged (same index) once.",
+            "Committed checkpoints' components. Logical counts tensor data; stored counts "
+            "each component's blobs as if alone, its index included; distinct counts a "
+            "component saved again unchanged (same index) once.",
         ),
         table(
-            (
-                "kind",
-                "components",
-                "logical",
-                "stored",
-                "compression",
-                "distinct",
-                "distinct stored",
-            ),
+            ("kind", "components", "logical", "stored", "distinct", "distinct stored"),
             kinds,
         ),
         el("h2", "By blob kind"),

@@ -1,16 +1,15 @@
-"""The run page (charts and the checkpoint table), the checkpoint page and the comparison."""
+"""The run page (charts and the checkpoint table) and the checkpoint page (its state-dict list and
+the comparison are in :mod:`ckptstore.web.pages_entries`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckptstore.manifest.statuses import Status
-from ckptstore.web.compare import SAME
-from ckptstore.web.data import CheckpointView, CompareView, HistoryPoint, RunView
+from ckptstore.web.data import CheckpointView, HistoryPoint, RunView
 from ckptstore.web.durability import MEANING, CheckpointRecord, durability_text
 from ckptstore.web.layout import (
-    checkpoint_link,
     counts_line,
     definition_list,
     human_bytes,
@@ -36,16 +35,21 @@ from ckptstore.web.markup import (
     void,
 )
 from ckptstore.web.pages import parent_cell
+from ckptstore.web.pages_entries import tensors_section
 from ckptstore.web.svg import Mark, Series, bar_chart, line_chart
 
-#: Rows of the state-dict table a page shows (the API returns them all).
-MAX_TENSOR_ROWS = 2000
 #: Statuses whose checkpoints were saves (their timings and bytes are charted).
 _SAVED = (Status.COMMITTED, Status.DELETED, Status.CORRUPT)
 
 
-def run_page(view: RunView, history: Sequence[HistoryPoint], poll_seconds: float) -> Markup:
-    """One run: facts, charts, and its checkpoints (a page of them)."""
+def run_page(
+    view: RunView,
+    history: Sequence[HistoryPoint],
+    poll_seconds: float,
+    steps: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+) -> Markup:
+    """One run: facts, charts (per-step curves in ``steps`` where the run logged them), and
+    its checkpoints (a page of them)."""
     run = view.run
     facts: dict[str, Any] = {
         "created": when(run.created_at),
@@ -70,7 +74,7 @@ def run_page(view: RunView, history: Sequence[HistoryPoint], poll_seconds: float
         el("h1", el("span", "run ", class_="label"), run.name),
         definition_list(facts),
         el("details", el("summary", "config"), pretty_json(run.config)) if run.config else None,
-        el("section", *charts(view, history), class_="charts"),
+        el("section", *charts(view, history, steps or {}), class_="charts"),
         el("h2", "Checkpoints"),
         _checkpoint_table(view),
         active="",
@@ -89,9 +93,16 @@ def _best(view: RunView) -> Markup | str:
     )
 
 
-def charts(view: RunView, history: Sequence[HistoryPoint]) -> list[Markup]:
-    """A chart per metric (kept checkpoints marked), save and blocked seconds, and uploaded
-    versus reused bytes per save."""
+def charts(
+    view: RunView,
+    history: Sequence[HistoryPoint],
+    steps: Mapping[str, Sequence[tuple[int, float]]] | None = None,
+) -> list[Markup]:
+    """A chart per metric, save and blocked seconds, and uploaded versus reused bytes per save.
+
+    A metric logged per step (``steps``) is drawn from every step, each saved checkpoint marked
+    on it (hollow unless kept); otherwise from the checkpoints, the kept ones marked."""
+    steps = steps or {}
     saved = [h for h in history if h.point.status in _SAVED]
     points: dict[str, list[tuple[float, float]]] = {name: [] for name in view.metrics}
     marks: dict[str, list[Mark]] = {name: [] for name in view.metrics}
@@ -100,9 +111,13 @@ def charts(view: RunView, history: Sequence[HistoryPoint]) -> list[Markup]:
         for name, value in (h.point.metrics or {}).items():
             if name in points and type(value) in (int, float):  # bool is no metric value
                 points[name].append((step, float(value)))
-                if kept:
-                    title = f"step {h.point.step}: {number(value)} (kept: {h.fate.why})"
-                    marks[name].append(Mark(step, float(value), title))
+                if kept or name in steps:
+                    verdict = "kept" if kept else h.fate.verdict
+                    title = f"step {h.point.step}: {number(value)} ({verdict}: {h.fate.why})"
+                    marks[name].append(Mark(step, float(value), title, hollow=not kept))
+    for name, curve in steps.items():
+        if name in points and curve:
+            points[name] = [(float(s), v) for s, v in curve]
     out = [
         line_chart(f"metric:{name}", name, [Series(name, points[name], marks[name])])
         for name in view.metrics
@@ -262,8 +277,8 @@ def checkpoint_page(view: CheckpointView) -> Markup:
         _compare_form(view),
         el("h2", "Use it"),
         pre(view.commands, class_="commands"),
-        el("h2", "State dict"),
-        _tensors(view),
+        el("h2", "State dict", id="entries"),
+        tensors_section(view),
     )
 
 
@@ -315,126 +330,3 @@ def _compare_form(view: CheckpointView) -> Markup:
             ),
         ]
     )
-
-
-def _tensors(view: CheckpointView) -> Markup:
-    if view.tensors_error:
-        return el("p", f"state-dict names unavailable: {view.tensors_error}", class_="error")
-    rows = [
-        (
-            r.component,
-            el("code", r.name),
-            r.kind,
-            r.dtype or "-",
-            "x".join(map(str, r.shape)) if r.is_array else _value(r.value),
-            human_bytes(r.nbytes) if r.is_array else "-",
-            human_bytes(r.stored_bytes) if r.is_array else "-",
-            ", ".join(r.codecs) or "-",
-            ", ".join(map(str, r.ranks)) or "-",
-        )
-        for r in view.tensors[:MAX_TENSOR_ROWS]
-    ]
-    more = len(view.tensors) - len(rows)
-    return join(
-        [
-            table(
-                (
-                    "component",
-                    "name",
-                    "kind",
-                    "dtype",
-                    "shape / value",
-                    "bytes",
-                    "stored",
-                    "codec",
-                    "ranks",
-                ),
-                rows,
-                empty="no entries",
-                class_="tensors",
-            ),
-            el(
-                "p",
-                f"{more} more: see ",
-                link(f"/api{checkpoint_url(view.checkpoint.info.id)}", "the JSON"),
-                class_="more",
-            )
-            if more > 0
-            else None,
-        ]
-    )
-
-
-def _value(value: Any) -> str:
-    text = repr(value) if not isinstance(value, str) else value
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-# -- comparing -------------------------------------------------------------------------------------
-
-
-def compare_page(view: CompareView) -> Markup:
-    """What changed from A to B."""
-    a, b = view.a, view.b
-    header = el(
-        "p",
-        "A: ",
-        checkpoint_link(a),
-        " \N{RIGHTWARDS ARROW} B: ",
-        checkpoint_link(b),
-        " ",
-        link(compare_url(b.id, a.id), "(swap)"),
-    )
-    if view.error:
-        body: list[Any] = [el("p", f"cannot compare: {view.error}", class_="error")]
-    else:
-        summary = el(
-            "p",
-            *(
-                el("span", f"{v}: {n}", class_=f"verdict {v.replace(' ', '-')}")
-                for v, n in view.counts.items()
-            ),
-            class_="verdicts",
-        )
-        differing = [d for d in view.diffs if d.verdict != SAME]
-        same = [d for d in view.diffs if d.verdict == SAME]
-        body = [
-            summary,
-            table(
-                ("verdict", "component", "name", "why", "A", "B"),
-                [_diff_row(d) for d in differing[:MAX_TENSOR_ROWS]],
-                empty="nothing differs",
-                class_="diffs",
-            ),
-            el(
-                "details",
-                el("summary", f"{len(same)} unchanged"),
-                table(
-                    ("verdict", "component", "name", "why", "A", "B"),
-                    [_diff_row(d) for d in same[:MAX_TENSOR_ROWS]],
-                ),
-            )
-            if same
-            else None,
-        ]
-    note = el(
-        "p",
-        "By content address alone: no tensor was loaded. Equal digests are equal bytes.",
-        class_="note",
-    )
-    return page(
-        f"compare {a.run}@{a.step} / {b.run}@{b.step}", el("h1", "Compare"), header, note, *body
-    )
-
-
-def _diff_row(diff: Any) -> tuple[Any, ...]:
-    def side(row: Any) -> str:
-        if row is None:
-            return "-"
-        shape = "x".join(map(str, row.shape))
-        return (
-            f"{row.dtype} {shape} {human_bytes(row.nbytes)}" if row.is_array else _value(row.value)
-        )
-
-    badge = el("span", diff.verdict, class_=f"verdict {diff.verdict.replace(' ', '-')}")
-    return (badge, diff.component, el("code", diff.name), diff.why, side(diff.a), side(diff.b))

@@ -6,12 +6,17 @@ Pages and their API twins (the same record, ``/api`` before the path):
 ``/?q=TEXT``                     runs (whose name contains TEXT)
 ``/lineage``                     the fork tree
 ``/runs/NAME?page=N&status=S``   a run (NAME percent-encoded: any run name works)
-``/checkpoints/ID``              a checkpoint
-``/compare?a=A&b=B``             two checkpoints (ids, or RUN@STEP of committed ones)
+``/checkpoints/ID``              a checkpoint, a page of its state-dict names
+``/compare?a=A&b=B&verdict=V``   two checkpoints (ids, or RUN@STEP of committed ones)
 ``/storage``                     usage, gc preview, damage
 ===============================  ==========================================================
 
+The checkpoint and compare pages list state-dict names a page at a time
+(:mod:`ckptstore.web.listing`): ``q`` keeps the names containing it (any case), ``sort`` orders
+by a key (``-key``: descending), ``page`` picks 100 of them; a value they cannot use is 400.
+
 API only: ``/api/runs/NAME/history`` (every checkpoint's chart point and fate),
+``/api/runs/NAME/steps`` (the metrics logged per step: name -> ``[[step, value], ...]``),
 ``/api/runs/NAME/checkpoints?page=N`` (``ckptstore ls --json``'s records, newest first),
 ``/api/runs/NAME/changes`` and ``/api/changes`` (what the pages poll).
 """
@@ -29,7 +34,9 @@ from ckptstore.errors import CheckpointNotFoundError, ConfigError, IntegrityErro
 from ckptstore.formatting import dumps
 from ckptstore.manifest import reading as reads
 from ckptstore.names import parse_target
-from ckptstore.web import data, pages, pages_run
+from ckptstore.web import curves, data, listing, pages, pages_entries, pages_run
+from ckptstore.web.compare import ORDER
+from ckptstore.web.comparison import COMPARE_DEFAULT_SORT, COMPARE_SORTS, compare_view
 from ckptstore.web.data import Site
 from ckptstore.web.durability import CheckpointRecord
 from ckptstore.web.markup import Markup
@@ -125,6 +132,7 @@ class App:
             ("compare",): self._compare,
             ("runs", None): self._run,
             ("runs", None, "history"): self._history,
+            ("runs", None, "steps"): self._steps,
             ("runs", None, "checkpoints"): self._checkpoints,
             ("runs", None, "changes"): self._changes,
             ("checkpoints", None): self._checkpoint,
@@ -163,12 +171,19 @@ class App:
         view, history = data.run_page(self.site, path[1], page=page, status=status)
         if api:
             return json_response(view)
-        return html_response(pages_run.run_page(view, history, self.poll_seconds))
+        stepped = [m for m in view.metrics if m in view.step_metrics]
+        steps = curves.step_curves(self.site, view.run.id, stepped)
+        return html_response(pages_run.run_page(view, history, self.poll_seconds, steps))
 
     def _history(self, _request: Request, path: tuple[str, ...], api: bool) -> Response:
         if not api:
             raise CheckpointNotFoundError("no page here: see /api/runs/.../history")
         return json_response(data.run_history(self.site, path[1]))
+
+    def _steps(self, _request: Request, path: tuple[str, ...], api: bool) -> Response:
+        if not api:
+            raise CheckpointNotFoundError("no page here: the run's page charts its steps")
+        return json_response(curves.run_steps(self.site, path[1]))
 
     def _checkpoints(self, request: Request, path: tuple[str, ...], api: bool) -> Response:
         if not api:
@@ -179,14 +194,20 @@ class App:
         )
         return json_response([row.checkpoint for row in view.checkpoints])
 
-    def _checkpoint(self, _request: Request, path: tuple[str, ...], api: bool) -> Response:
-        view = data.checkpoint_view(self.site, _checkpoint_id(path[1]))
+    def _checkpoint(self, request: Request, path: tuple[str, ...], api: bool) -> Response:
+        checkpoint_id = _checkpoint_id(path[1])
+        where = listing.parse(request.query, tuple(data.TENSOR_SORTS), data.TENSOR_DEFAULT_SORT)
+        view = data.checkpoint_view(self.site, checkpoint_id, where=where)
         return json_response(view) if api else html_response(pages_run.checkpoint_page(view))
 
     def _compare(self, request: Request, _path: tuple[str, ...], api: bool) -> Response:
         a, b = (self._resolve(request.query.get(k, ""), k) for k in ("a", "b"))
-        view = data.compare_view(self.site, a, b)
-        return json_response(view) if api else html_response(pages_run.compare_page(view))
+        where = listing.parse(request.query, tuple(COMPARE_SORTS), COMPARE_DEFAULT_SORT)
+        verdict = request.query.get("verdict") or None
+        if verdict is not None and verdict not in ORDER:
+            raise ConfigError(f"invalid verdict {verdict!r}: use one of {', '.join(ORDER)}")
+        view = compare_view(self.site, a, b, where, verdict)
+        return json_response(view) if api else html_response(pages_entries.compare_page(view))
 
     def _resolve(self, text: str, what: str) -> int:
         """A checkpoint id, or the id of the committed checkpoint ``RUN@STEP``."""

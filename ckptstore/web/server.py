@@ -9,8 +9,9 @@ Safe by default:
   URL without it, so the token stays out of history and logs). Without a token, only requests
   addressed to a loopback name are answered (``Host``), so a web page cannot reach the server
   through a DNS name it rebinds to 127.0.0.1.
-- Every other method is 405; a bad path or id is 404 with a plain message; every response
-  forbids inline scripts and framing (``Content-Security-Policy``), sniffing and referrers.
+- Every other method is 405; a bad path or id is 404, as a page of the site (JSON under
+  ``/api/``); every response forbids inline scripts and framing (``Content-Security-Policy``),
+  sniffing and referrers.
 - The database is opened read-only (:func:`ckptstore.manifest.serving.open_readonly`), the
   store never written: no endpoint writes anything, whatever a handler does.
 """
@@ -30,7 +31,8 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from ckptstore.errors import CkptStoreError, ConfigError, DatabaseError
 from ckptstore.names import printable
-from ckptstore.web.routes import App, Request, Response, json_response
+from ckptstore.web.pages import error_page
+from ckptstore.web.routes import App, Request, Response, html_response, json_response
 
 log = logging.getLogger("ckptstore.serve")
 
@@ -244,8 +246,7 @@ class Handler(BaseHTTPRequestHandler):
 
 def _error(status: int, message: str, *, api: bool) -> Response:
     """An error: its status and plain message, as JSON (``{"error": ...}``) for the API, else
-    as text (control characters of names in it escaped)."""
+    as a page of the site (control characters of names in it escaped, the text HTML-escaped)."""
     if api:
         return json_response({"error": message, "status": status}, status)
-    text = f"{status} {printable(message)}\n"
-    return Response(status, text.encode(), "text/plain; charset=utf-8")
+    return html_response(error_page(status, printable(message)), status)

@@ -50,7 +50,7 @@ from ckptstore.manifest.db import (
 from ckptstore.manifest.models import Base
 
 #: Every migration, oldest first. A new migration is appended here (and the snapshots rewritten).
-REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007")
+REVISIONS = ("0001", "0002", "0003", "0004", "0005", "0006", "0007", "0008")
 HEAD = REVISIONS[-1]
 PREVIOUS_HEAD = REVISIONS[-2]
 FIRST = REVISIONS[0]
@@ -62,10 +62,11 @@ TABLES = {
     "blobs",
     "checkpoint_blobs",
     "blob_copies",
+    "step_metrics",
     "gc_lease",
 }
 #: The tables revision 0001 made (every later one is gone after a downgrade to it).
-FIRST_TABLES = TABLES - {"blob_copies"}
+FIRST_TABLES = TABLES - {"blob_copies", "step_metrics"}
 VIEWS = {"checkpoint_summary", "run_summary"}
 
 PG_ENV = "CKPTSTORE_TEST_PG_URL"

@@ -132,7 +132,7 @@ def test_runs_lineage_run_checkpoint_compare(watched: Watched, served: Served) -
     page.check(f'input[name="b"][value="{ids["base", 8]}"]')
     page.click("text=Compare A with B")
     page.wait_for_url("**/compare?*")
-    assert page.locator("table.diffs span.verdict.changed").count() == 2
+    assert page.locator("table.diffs span.verdict.differs").count() == 2
     watched.shot("compare-from-run")
 
     page.goto(f"{served.url}/runs/base")
@@ -144,7 +144,7 @@ def test_runs_lineage_run_checkpoint_compare(watched: Watched, served: Served) -
 
     page.click("text=compare with the previous committed checkpoint")
     page.wait_for_url(f"**/compare?a={ids['base', 6]}&b={ids['base', 8]}")
-    assert "changed: 2" in page.locator("p.verdicts").inner_text()
+    assert "differs 2" in page.locator("p.verdicts").inner_text()
     watched.shot("compare")
     watched.clean()
 
@@ -179,7 +179,15 @@ def test_a_training_runs_page_updates_after_a_new_commit(watched: Watched, serve
         run.save(step, {"m": torch.full((1,), float(step))}, metrics={"loss": 1 / step})
     page.locator(f'a.step:text-is("{step}")').wait_for()
     assert page.locator("a.step").count() == before + 1
-    points = page.locator('svg[data-chart="metric:loss"] polyline').get_attribute("points") or ""
+    # The page may first show the save while it is pending (no chart point yet): its commit
+    # changes the counts again and the page reloads once more.
+    points = ""
+    for _ in range(100):
+        chart = page.locator('svg[data-chart="metric:loss"] polyline')
+        points = (chart.get_attribute("points") if chart.count() else "") or ""
+        if len(points.split()) == before + 1:
+            break
+        page.wait_for_timeout(100)
     assert len(points.split()) == before + 1
     watched.shot("live-after-commit")
     watched.clean()

@@ -4,6 +4,7 @@ that nothing but GET and HEAD is answered, and the token and host rules."""
 from __future__ import annotations
 
 import datetime as dt
+import html as html_lib
 import json
 import re
 import shutil
@@ -172,22 +173,22 @@ def test_dcp_checkpoint_rows_are_its_fqns(served: Served) -> None:
 def test_compare_proves_what_changed_by_content_address(served: Served) -> None:
     ids = served.sample.ids
     view = api(served, f"/compare?a={ids['base', 7]}&b={ids['base', 8]}")
-    verdicts = {(d["component"], d["name"]): d["verdict"] for d in view["diffs"]}
+    verdicts = {d["name"]: d["verdict"] for d in view["diffs"]}
     assert verdicts == {
-        ("policy", "w"): "changed",
-        ("optimizer", "step"): "changed",
-        ("policy", "embed"): "same",
+        "policy.w": "differs",
+        "optimizer.step": "differs",
+        "policy.embed": "same bytes",
     }
-    assert view["counts"]["changed"] == 2
-    assert view["counts"]["same"] == 1
+    assert view["counts"]["differs"] == 2
+    assert view["counts"]["same bytes"] == 1
     across = api(served, "/compare?a=base@8&b=child@10")  # RUN@STEP, across a fork
     assert {(d["name"], d["verdict"]) for d in across["diffs"]} >= {
-        ("embed", "same"),
-        ("w", "changed"),
+        ("policy.embed", "same bytes"),
+        ("policy.w", "differs"),
     }
     page = html(served, f"/compare?a={ids['base', 7]}&b={ids['base', 8]}")
-    assert "changed" in page
-    assert "1 unchanged" in page
+    assert 'class="verdict differs"' in page
+    assert "same bytes</span> 1" in page
 
 
 def test_storage_page_shows_usage_kinds_gc_and_damage(served: Served) -> None:
@@ -287,8 +288,13 @@ def test_every_page_forbids_inline_scripts_and_framing(served: Served) -> None:
 def test_bad_paths_ids_and_parameters(served: Served, path: str, status: int, message: str) -> None:
     got, _headers, body = served.get(path)
     assert got == status
-    text = json.loads(body)["error"] if path.startswith("/api/") else body.decode()
-    assert message in text
+    if path.startswith("/api/"):
+        assert message in json.loads(body)["error"]
+    else:  # a page of the site, the message escaped, a link home
+        page = body.decode()
+        assert message in html_lib.unescape(page)
+        assert page.startswith("<!doctype html>")
+        assert '<a href="/">Back to the runs</a>' in page
 
 
 @pytest.mark.parametrize("method", ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "MKCOL"])

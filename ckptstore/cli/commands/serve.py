@@ -17,6 +17,7 @@ from ckptstore.errors import ConfigError
 from ckptstore.manifest.db import redact
 from ckptstore.manifest.serving import open_readonly
 from ckptstore.settings import default_store
+from ckptstore.web.commands import location_label
 from ckptstore.web.data import Site
 from ckptstore.web.routes import App
 from ckptstore.web.server import Server, check_bind
@@ -63,7 +64,9 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
     check_bind(args.host, args.token)
     db = open_readonly(ctx.db_location, allow_superuser=args.allow_superuser)
     store = args.store if args.store is not None else default_store()
-    site = Site(db, store, db_label=redact(db.url))
+    # The copyable commands name both as given (a relative path stays relative, like the
+    # store's), the password of a URL masked.
+    site = Site(db, store, db_label=location_label(ctx.db_location))
     try:
         server = Server(args.host, args.port, App(site, poll_seconds=args.poll), token=args.token)
     except OSError as exc:

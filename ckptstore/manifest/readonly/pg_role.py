@@ -29,6 +29,7 @@ MANIFEST_RELATIONS = (
     "blobs",
     "checkpoint_blobs",
     "blob_copies",
+    "step_metrics",
     "gc_lease",
     "alembic_version",
     "checkpoint_summary",
