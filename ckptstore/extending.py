@@ -24,6 +24,8 @@ from :mod:`ckptstore.errors` or from the package's top level -- never from the l
   :class:`SourceTensor` / :class:`Piece` describe a sharded checkpoint's tensor as the entries
   that tile it; :func:`check_shape` / :func:`check_tiling` check such a tensor's declared
   layout (chunks inside it, not overlapping, covering it exactly) before anything is allocated.
+  :func:`check_targets` refuses, before a byte is written, the caller's tensors that a load
+  could not fill exactly (meta, self-overlapping, or sharing memory with another target).
 - **Damage**: :func:`mark_corrupt` does what a load does with a checkpoint that fails
   verification; :class:`MissingBlobError` is the ``IntegrityError`` of a blob that is gone.
 - **Where**: :func:`open_store` and :class:`ObjectStore`; :class:`WriterOptions` tune uploads;
@@ -60,6 +62,7 @@ from ckptstore.manifest.records import (
 )
 from ckptstore.names import check_step, parse_step_id
 from ckptstore.objectstore import ObjectStore, open_store
+from ckptstore.serialize.disjoint import check_targets
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 from ckptstore.serialize.index import MAX_DIMS, Entry
 from ckptstore.serialize.pieces import Piece, SourceTensor
@@ -100,6 +103,7 @@ __all__ = [
     "check_shape",
     "check_tiling",
     "check_step",
+    "check_targets",
     "config_fingerprint",
     "default_db",
     "default_store",

@@ -5,6 +5,9 @@
 2. In a child process under an address-space limit and a time cap per input
    (:mod:`fuzz.parsers`): the blob header, whole blob objects, the component index, DCP
    metadata, and the shipped float decoder against the reference decoder ``fpref``.
+3. The surfaces that take hostile input whole, each in such a child (:mod:`fuzz.surfaces`):
+   ``ckptstore import`` over mutated DCP and safetensors sources, ``ckptstore serve`` over
+   generated requests, ``run.load(into=...)`` over generated targets.
 
 Exit status 1 if anything was found; each finding has a reproducer file under
 ``build/fuzz/findings/`` (``--replay FILE`` runs a float-codec one under the sanitizers).
@@ -22,7 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from fuzz import fuzz_fpcodec, parsers, sanitized
+from fuzz import fuzz_fpcodec, parsers, sanitized, surfaces
 
 FINDINGS = sanitized.BUILD / "findings"
 
@@ -56,6 +59,9 @@ def main() -> int:
     p.add_argument("--chunk", type=int, default=200_000, help="inputs per worker process")
     p.add_argument("--parser-inputs", type=int, default=60_000, help="per Python parser")
     p.add_argument("--fpref-inputs", type=int, default=20_000)
+    p.add_argument("--import-cases", type=int, default=2_000, help="ckptstore import cases")
+    p.add_argument("--serve-cases", type=int, default=20_000, help="ckptstore serve requests")
+    p.add_argument("--into-cases", type=int, default=20_000, help="load(into=...) cases")
     p.add_argument("--seed", type=int, default=None, help="default: a fresh one, printed")
     p.add_argument("--replay", type=Path, help="decode one float-codec reproducer and exit")
     args = p.parse_args()
@@ -92,6 +98,15 @@ def main() -> int:
         label = "fpcodec vs fpref" if name == "fpref" else name
         rows.append(_row(label, t["inputs"], t["seconds"], outcome, len(t["findings"])))
         findings += [{**f, "target": name} for f in t["findings"]]
+    cases = {"import": args.import_cases, "serve": args.serve_cases, "into": args.into_cases}
+    for family, count in cases.items():
+        if not count:
+            continue
+        print(f"  {family} (issue 40) ...", flush=True)
+        t = surfaces.run(family, count, seed=seed, findings=FINDINGS, timeout=7200)
+        outcome = f"crashes {t['crashes']}, {surfaces.outcome_line(t)}"
+        rows.append(_row(family, t["cases"], t["seconds"], outcome, len(t["findings"])))
+        findings += [{**f, "target": family} for f in t["findings"]]
     print("\n".join(rows))
     print(f"total {time.perf_counter() - started:.0f} s, {len(findings)} findings")
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}

@@ -28,6 +28,7 @@ from ckptstore.cas.digest import blob_key
 from ckptstore.cas.header import Kind
 from ckptstore.errors import ConfigError, IntegrityError, UnreadableError
 from ckptstore.objectstore.base import ObjectStore, uninitialized
+from ckptstore.serialize.disjoint import cannot_hold, check_disjoint
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry
 from ckptstore.serialize.readahead import Prefetching, ReadAhead
@@ -140,7 +141,7 @@ def _targets(
                 f"{str(target.dtype).removeprefix('torch.')} {list(target.shape)}; pass a "
                 "tensor of the stored dtype and shape (or leave it out of into= to get a new one)"
             )
-        unfit = _cannot_hold(target)
+        unfit = cannot_hold(target)
         if unfit:
             raise ConfigError(
                 f"{where}: cannot load entry {entry.path!r} into the given tensor: {unfit}; "
@@ -148,29 +149,6 @@ def _targets(
             )
         found[n] = target
     return found
-
-
-def _cannot_hold(tensor: torch.Tensor) -> str | None:
-    """Why ``tensor`` cannot take a value element by element, or None: it lives on the meta
-    device (no memory), or its elements may overlap in memory (an expanded, stride-0 view, or
-    strides that reach one address twice; the check is conservative: each stride must pass
-    the extent of the smaller ones, as a view of one tensor's memory does): writing it would
-    lose elements, and torch refuses only once the other targets are written."""
-    if tensor.device.type == "meta":
-        return "it is on the meta device (it has no memory to load into)"
-    extent = 0  # the furthest element offset the smaller strides reach
-    for size, stride in sorted(
-        ((size, abs(stride)) for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-         if size > 1),
-        key=lambda pair: pair[1],
-    ):  # fmt: skip
-        if stride <= extent:
-            return (
-                f"its elements overlap in memory (strides {list(tensor.stride())}, e.g. an "
-                "expanded view)"
-            )
-        extent += (size - 1) * stride
-    return None
 
 
 def _allocate(nbytes: int, where: str) -> memoryview:
@@ -291,6 +269,13 @@ def fetch_all(store: ObjectStore, loads: Sequence[EntryLoad], *, max_workers: in
     while its last blob finished and the disk idle until the next read-ahead began). The
     first error, in the order of the blobs, is raised once every started fetch has ended;
     the blobs not started by then are not read."""
+    # Targets of different entries (of any component) that share memory: refused before
+    # anything is read, as each target's own checks are when its load is planned.
+    check_disjoint(
+        (load.where, load.chosen[n].path, target)
+        for load in loads
+        for n, target in load.assembler.targets.items()
+    )
     jobs = [(load, digest, blob_key(digest)) for load in loads for digest in load.by_blob]
     if not jobs:
         return
