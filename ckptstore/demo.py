@@ -2,14 +2,17 @@
 few steps and checkpoints each one through ckptstore; re-running resumes from the newest
 committed checkpoint, which is checked bit for bit against what was saved.
 
-Run with ``python -m ckptstore.demo [--db PATH] [--store DIR] [--steps N]``; the defaults are
-the embedded store under ``./.ckptstore/``.
+Run with ``.venv/bin/python -m ckptstore.demo [--db PATH] [--store DIR] [--steps N]``; the
+defaults are the embedded store under ``./.ckptstore/``.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -98,8 +101,25 @@ def main(argv: list[str] | None = None) -> int:
             "every blob's BLAKE3 digest verified: bit-exact (weights, AdamW state, training info)"
         )
         print(f"retention keeps the 3 lowest-loss checkpoints plus the latest: steps {kept}")
-        print("run it again to resume; inspect with `ckptstore runs`, `ckptstore ls demo`")
+        cli = cli_command(args.db, args.store)
+        print(
+            f"run it again to resume; inspect with `{cli} runs`, `{cli} ls {shlex.quote(args.run)}`"
+        )
     return 0
+
+
+def cli_command(db: str | None, store: str | None) -> str:
+    """The ``ckptstore`` command of this environment (``.venv/bin/ckptstore`` beside this
+    Python, relative to the working directory where it can be), with --db/--store if given."""
+    cli = Path(sys.executable).with_name("ckptstore")
+    command = "ckptstore"
+    if cli.exists():
+        cwd = Path.cwd()
+        command = str(cli.relative_to(cwd)) if cli.is_relative_to(cwd) else str(cli)
+    for option, value in (("--db", db), ("--store", store)):
+        if value is not None:
+            command += f" {option} {shlex.quote(value)}"
+    return command
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from ckptstore.extending import (
     writer_store,
 )
 from ckptstore.integrations import dcp as ckpt_dcp
+from trainer.budget import StopBudget
 from trainer.config import (
     TrainerConfig,
     fingerprint,
@@ -55,7 +56,7 @@ from trainer.config import (
     training_config,
 )
 from trainer.history import plan_fork, start_over
-from trainer.pending import PendingSave, saved_lines, settle
+from trainer.pending import PendingSave, exit_noting, saved_lines, settle
 from trainer.policy import Policy
 from trainer.policy_state import SHARDED_INFO
 from trainer.resume import KINDS, load_to_resume
@@ -77,6 +78,10 @@ class TrainerCheckpointer:
         self.emit = emit
         self.process_start = process_start
         self.budget = parse_deadline(self.ck.checkpoint_must_save_by, process_start)
+        #: When this start stops early (its clock reads :attr:`clock` at each call).
+        self.stops = StopBudget(
+            self.budget, process_start, self.ck.stop_after_steps, lambda: self.clock()
+        )
         self.run: Run | None = None
         self.run_name = self.ck.run_name
         #: What defines the model (task, architecture, warm-up, seed); resumes must not change it.
@@ -95,7 +100,6 @@ class TrainerCheckpointer:
         self.pending: PendingSave | None = None
         self.committing: SaveHandle | None = None
         self.saved_steps: list[int] = []
-        self.deadline_fired = False
         self._buffer_writer: ShardWriter | None = None
         #: The replay buffer's writer store on the tiers (with tiers).
         self._tier_store: ObjectStore | None = None
@@ -104,7 +108,7 @@ class TrainerCheckpointer:
         #: The run's node-local tiers (checkpointing.local_dir), once the job's nodes are known.
         self.tiers: TierConfig | None = None
         #: The drains of local checkpoints to the store (with tiers).
-        self.drains = Drains(emit, self._deadline)
+        self.drains = Drains(emit, self.stops.monotonic_end)
 
     # -- before anything is trained or stored ------------------------------------------------
 
@@ -112,22 +116,24 @@ class TrainerCheckpointer:
         """Refuse a model-config change (or decide the fork) before any warm-up or write."""
         if not self.enabled:
             return
-        existing = self._existing_config()
+        existing = self.existing_config()
         if existing is None:
             return
-        fork = plan_fork(self.ck, existing, self.model_spec, self._latest_step)
+        fork = plan_fork(self.ck, existing, self.model_spec, self.latest_step)
         if fork is None:
             return
         self.fork_fresh, self.data_reset = fork.fresh, fork.data_reset
         self.fork_parent, self.run_name = fork.parent, fork.run_name
         self.emit(fork.message)
 
-    def _latest_step(self, name: str) -> int | None:
+    def latest_step(self, name: str) -> int | None:
+        """The step of run ``name``'s newest checkpoint (None: it has none)."""
         with self._open(name, writable=False) as parent:
             latest = parent.latest()
         return None if latest is None else latest.step
 
-    def _existing_config(self) -> dict[str, Any] | None:
+    def existing_config(self) -> dict[str, Any] | None:
+        """The stored config of this start's run, or None for a run not created yet."""
         db = self.ck.db
         if db is not None and "://" not in db and not Path(db).exists():
             return None  # a new database: nothing to compare with (and nothing created yet)
@@ -188,12 +194,6 @@ class TrainerCheckpointer:
         store in the background, before anything this start saves."""
         assert self.run is not None
         self.drains.after(self.run, None, None)
-
-    def _deadline(self) -> float | None:
-        """The time budget's end as a ``time.monotonic()`` instant, or None."""
-        if self.budget is None:
-            return None
-        return time.monotonic() + (self.process_start + self.budget - self.clock())
 
     # -- opening and restoring ------------------------------------------------------------------
 
@@ -267,6 +267,7 @@ class TrainerCheckpointer:
         if loaded is None:
             self.emit(f"new run {self.run_name!r} (forked from {self.base_name!r})")
             return None
+        self.stops.saved(loaded.info.save_seconds)  # the next save's estimate
         for step, why in loaded.skipped:
             self.emit(
                 f"warning: checkpoint step {step} of run {loaded.info.run!r} failed verification "
@@ -302,26 +303,24 @@ class TrainerCheckpointer:
     # -- saving -------------------------------------------------------------------------------
 
     def trigger(
-        self, step: int, mean_step_seconds: float | None, last: bool
-    ) -> tuple[str | None, bool]:
-        """(trigger, stop): whether to save after ``step``, and whether the time budget ends
-        the run. Saves at multiples of save_period are "period" saves, whatever else fired."""
+        self, step: int, steps_done: int, mean_step_seconds: float | None, last: bool
+    ) -> tuple[str | None, str | None]:
+        """(trigger, stop): whether to save after ``step`` (the ``steps_done``-th of this
+        start), and whether a budget ends the start ("time" or "steps", see
+        :class:`~trainer.budget.StopBudget`). Saves at multiples of save_period are "period"
+        saves, whatever else fired; a budget stop's save is a "timeout" save."""
         if not self.enabled:
-            return None, False
-        timeout = False
-        if self.budget is not None and not self.deadline_fired and mean_step_seconds is not None:
-            elapsed = self.clock() - self.process_start
-            if elapsed + mean_step_seconds >= self.budget:
-                self.deadline_fired = timeout = True
+            return None, None
+        timeout = None if last else self.stops.after_step(steps_done, mean_step_seconds)
         if step % self.ck.save_period == 0:
             return "period", timeout
         if timeout:
-            return "timeout", True
+            return "timeout", timeout
         if last:
-            return "last", False
+            return "last", None
         if self.tiers is not None and step % self.ck.local_period == 0:
-            return "local", False  # a frequent save to the tiers, not drained
-        return None, False
+            return "local", None  # a frequent save to the tiers, not drained
+        return None, None
 
     async def save(
         self,
@@ -439,6 +438,7 @@ class TrainerCheckpointer:
             self._emit_saved(handle.wait())
 
     def _emit_saved(self, info: CheckpointInfo) -> None:
+        self.stops.saved(info.save_seconds)
         for line in saved_lines(info):
             self.emit(line)
 
@@ -479,9 +479,10 @@ class TrainerCheckpointer:
             if resource is not None:
                 exits.callback(resource.close)
         if self._buffer_writer is not None:
-            exits.push(self._buffer_writer)
+            exits.push(partial(exit_noting, self._buffer_writer.close, "shard save"))
         if self.run is not None:
-            exits.push(self.run)
+            exits.push(partial(exit_noting, self.run.close, "checkpoint save"))
+        if self.run is not None:
             exits.push(partial(self._finalize, self.run))
         self.run = self._buffer_writer = self._db = self._store = self._tier_store = None
         return exits

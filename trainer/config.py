@@ -218,6 +218,9 @@ class CheckpointingConfig:
     #: "DD:HH:MM:SS" after process start, or an absolute ISO-8601 time ("2026-12-01T06:00Z"):
     #: save and stop before the next step would overrun it.
     checkpoint_must_save_by: str | None = None
+    #: Train at most this many steps per start, then save and stop (exit 0); the next start
+    #: resumes. Unlike checkpoint_must_save_by, start-up time does not count. None: no limit.
+    stop_after_steps: int | None = None
     #: Resuming with a different model config (task, architecture, warm-up, seed) is refused
     #: unless fork=true, which starts run "<run_name>-fork-<hash>" from the newest checkpoint.
     fork: bool = False
@@ -253,6 +256,8 @@ class CheckpointingConfig:
             raise ConfigurationError(
                 f"checkpointing.fork_init={self.fork_init!r} must be one of {list(FORK_INITS)}"
             )
+        if self.stop_after_steps is not None:
+            _at_least(self.stop_after_steps, 1, "checkpointing.stop_after_steps")
         _at_least(self.local_period, 1, "checkpointing.local_period")
         _at_least(self.local_replicas, 0, "checkpointing.local_replicas")
         _at_least(self.local_keep_last, 1, "checkpointing.local_keep_last")

@@ -14,26 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from tensordict import TensorDict
 
-from ckptstore import IntegrityError, LoadedCheckpoint
 from trainer import actors
 from trainer.checkpointing import TrainerCheckpointer
 from trainer.config import TrainerConfig
 from trainer.data import PromptStream
-from trainer.errors import ConfigurationError, ResumeError, RolloutError
+from trainer.errors import ConfigurationError, RolloutError
 from trainer.ledger import PromptLedger
 from trainer.policy import Policy, supervised_warmup
+from trainer.progress import progress_line
 from trainer.replay import Group, ReplayBuffer
-from trainer.resume import Restored, read_checkpoint
+from trainer.restoring import Restoring
 from trainer.rollouts import RolloutPump
 from trainer.samplers import make_sampler
 from trainer.sharded import PolicyGroup
 from trainer.task import PromptDataset
-from trainer.tiering import check_store, resume_reads, start_tiers, tier_sources
+from trainer.tiering import check_store, start_tiers
 from trainer.trace import PromptTrace
 from trainer.watchdog import StallError, Watchdog, diagnose
 from trainer.workers import PolicyWorker, RolloutWorker, TrainStats, policy_config
@@ -41,7 +42,7 @@ from trainer.workers import PolicyWorker, RolloutWorker, TrainStats, policy_conf
 __all__ = ["Controller"]
 
 
-class Controller(RolloutPump):
+class Controller(RolloutPump, Restoring):
     """Owns the pumps, the replay buffer, the sampler, the prompt ledger and the counters."""
 
     def __init__(self, cfg: TrainerConfig, process_start: float) -> None:
@@ -71,6 +72,9 @@ class Controller(RolloutPump):
         self.stream = self._new_stream()
         self.ledger = PromptLedger()
         self.lines: list[str] = []
+        #: Progress lines: what start-up is doing (the driver prints them on stderr).
+        self.progress: list[str] = []
+        self.process_start = process_start
         self.checkpointer = TrainerCheckpointer(cfg, process_start, self.emit)
         self.trace = PromptTrace(cfg.logger.prompt_trace)
         # Counters (saved in training_info).
@@ -84,6 +88,9 @@ class Controller(RolloutPump):
         self.exhausted = False
         self.stop = False
         self.stopped_early = False
+        self.workers_started = False  # False at the end: the budget ran out during start-up
+        #: Why this start stops early after a step's save ("time" or "steps"), or None.
+        self.stop_why: str | None = None
         self.rollout_tasks: set[asyncio.Task[None]] = set()
         self.launched = 0  # rollouts started (they go to the workers in turn)
         self.history: list[dict[str, Any]] = []
@@ -102,11 +109,6 @@ class Controller(RolloutPump):
             self.dataset, self.prompts_per_step, self.cfg.seed, self.cfg.grpo.max_num_epochs
         )
 
-    @property
-    def run_name(self) -> str:
-        """The run this controller trains (a fork's new name once decided)."""
-        return self.checkpointer.run_name
-
     # -- output -------------------------------------------------------------------------------
 
     def emit(self, line: str) -> None:
@@ -118,20 +120,37 @@ class Controller(RolloutPump):
         lines, self.lines = self.lines, []
         return lines
 
+    def phase(self, what: str) -> None:
+        """Queue a progress line: the seconds since process start and what begins now."""
+        self.progress.append(progress_line(self.process_start, what))
+
+    def drain_all(self) -> tuple[list[str], list[str]]:
+        """The lines and the progress lines queued since the last call."""
+        progress, self.progress = self.progress, []
+        return self.drain(), progress
+
     # -- setup ------------------------------------------------------------------------------------
 
     async def setup(self) -> None:
         """Check the config against the run, warm up (once), start the workers, restore. A
         fork's parent is read first: a refusal comes before anything is trained or stored."""
         checkpointer = self.checkpointer
+        self.phase(f"controller up; checking run {self.run_name!r}")
         await asyncio.to_thread(checkpointer.plan)
         restored = None
         if checkpointer.enabled:
             parent = await asyncio.to_thread(checkpointer.read_parent)
             if parent is not None:
                 restored = self._read(parent, checkpointer.data_reset)
+        self.phase(f"warm-up model {checkpointer.base_name!r}: loading it, or training it once")
         base_weights = await asyncio.to_thread(self._base_weights)
+        if self._past_deadline():
+            return
         cfg = self.cfg
+        self.phase(
+            f"starting {cfg.policy.num_workers} policy and "
+            f"{cfg.async_rl.num_rollout_workers} rollout worker(s)"
+        )
         store = cfg.checkpointing.store if checkpointer.enabled else None
         if cfg.policy.num_workers > 1:
             group = await PolicyGroup.start(cfg, base_weights, store)
@@ -142,6 +161,7 @@ class Controller(RolloutPump):
             )
         else:
             self.policy = actors.spawn(PolicyWorker, cfg.backend, cfg, base_weights, store)
+        self.workers_started = True
         self.rollout_workers = [
             actors.spawn(RolloutWorker, cfg.backend, cfg)
             for _ in range(cfg.async_rl.num_rollout_workers)
@@ -149,6 +169,10 @@ class Controller(RolloutPump):
         self._cond = asyncio.Condition()
         self.permits = asyncio.Semaphore(self.capacity)
         if checkpointer.enabled:
+            self.phase(
+                "waiting for the workers to start and check the store; then opening run "
+                f"{self.run_name!r} and its newest checkpoint"
+            )
             await check_store(checkpointer, self.policy)
             await start_tiers(cfg, checkpointer, self.policy)
             await asyncio.to_thread(checkpointer.open)
@@ -162,6 +186,23 @@ class Controller(RolloutPump):
                 await self._apply(restored)
         await self._sync_weights(self.train_steps)
 
+    def _past_deadline(self) -> bool:
+        """Whether the time budget already ran out during start-up (before the workers
+        start, the slowest part left): then this start stops at once, training nothing."""
+        stops = self.checkpointer.stops
+        remaining = stops.remaining() if self.checkpointer.enabled else None
+        if remaining is None or remaining > 0:
+            return False
+        stops.fired = self.stopped_early = self.stop = True
+        checkpointer = self.checkpointer
+        step: int | None = None
+        if checkpointer.fork_parent is None and checkpointer.existing_config() is not None:
+            step = checkpointer.latest_step(checkpointer.run_name)
+        if step is not None:  # where this run stays: its newest checkpoint
+            self.train_steps = self.resumed_from = step
+        self.emit(stops.startup_line(self.run_name, step or 0, step is None))
+        return True
+
     def _base_weights(self) -> dict[str, torch.Tensor]:
         torch.manual_seed(self.cfg.seed)
         model = Policy(policy_config(self.cfg))
@@ -174,88 +215,15 @@ class Controller(RolloutPump):
             model, steps=w.steps, batch_size=w.batch_size, lr=w.lr, seed=self.cfg.seed
         )
 
-    # -- resume -----------------------------------------------------------------------------------
-
-    def _read(self, loaded: LoadedCheckpoint, data_reset: str | None = None) -> Restored:
-        return read_checkpoint(loaded, self.cfg, self.sampler.name, self._new_stream, data_reset)
-
-    async def _restore_newest(self) -> Restored | None:
-        """The newest checkpoint that verifies, its policy loaded into the policy workers.
-        A sharded policy is verified by the workers as they read it; when its data is
-        damaged, the checkpoint is marked corrupt here and the previous one is taken."""
-        checkpointer = self.checkpointer
-        while True:
-            loaded = await asyncio.to_thread(checkpointer.restore)
-            if loaded is None:
-                return None
-            restored = self._read(loaded)
-            try:
-                policy_read = await self._restore_policy(restored)
-            except IntegrityError as exc:
-                if not restored.sharded:
-                    raise
-                await asyncio.to_thread(checkpointer.condemn, loaded.info, exc)
-                continue
-            if checkpointer.tiers is not None:
-                self.emit(resume_reads(loaded, policy_read))
-            return restored
-
-    async def _apply(self, restored: Restored) -> None:
-        """Take over what a checkpoint restores (trainer/resume.py), before the pumps start;
-        the policy is already restored (:meth:`_restore_policy`)."""
-        step = restored.step
-        self.train_steps = step
-        self.consumed_samples = restored.consumed_samples
-        self.consumed_generations = restored.consumed_generations
-        self.total_valid_tokens = restored.total_valid_tokens
-        self.stream, self.buffer, self.ledger = restored.stream, restored.buffer, restored.ledger
-        for _ in restored.buffer.groups:  # one capacity permit per restored group
-            await self.permits.acquire()
-        self.sampler.dispatch_index = restored.dispatch_index
-        self.resumed_from = step
-        self.trace.resume(step)
-        for group_id, prompt_id in restored.skipped:
-            self.trace.drop(step, group_id, prompt_id, "skipped")
-        for line in restored.warnings:
-            self.emit(line)
-        self.emit(
-            f"resumed run {restored.run!r} from step {step}: {len(self.buffer)} buffered "
-            f"groups, {len(self.ledger.redispatch)} prompts to re-dispatch"
-        )
-
-    async def _restore_policy(self, restored: Restored) -> dict[str, int]:
-        """Load the policy; the bytes its workers read from each node's tier and the store
-        (a sharded policy read through the tiers; else nothing: the controller read it)."""
-        checkpointer = self.checkpointer
-        if restored.sharded and not (restored.run != self.run_name and checkpointer.fork_fresh):
-            plan = await asyncio.to_thread(checkpointer.policy_plan, restored.run, restored.step)
-            sources = await asyncio.to_thread(tier_sources, checkpointer.run, plan.info)
-            read: dict[str, int] = await self.policy.load_sharded.remote(
-                plan, restored.sharded_optimizer, sources
-            )
-            return read
-        if not restored.sharded and await self.policy.load.remote(
-            restored.policy, restored.optimizer
-        ):
-            return {}
-        if restored.run == self.run_name:
-            raise ResumeError(
-                f"{restored.where}: the saved policy does not fit the configured model; the "
-                "run's model config must not change (set checkpointing.fork=true to fork it)"
-            )
-        self.emit(
-            f"the fork {self.run_name!r} starts from the warm-up model "
-            f"{self.checkpointer.base_name!r} (fork_init=fresh) and keeps the training state "
-            f"of {restored.where}"
-        )
-        return {}
-
     # -- the pumps ------------------------------------------------------------------------------
 
     async def run_training(self) -> dict[str, Any]:
         """Set up, restore, run both pumps to the end, flush the last save; returns a summary."""
         try:
             await self.setup()
+            if self.stopped_early:  # the time budget ran out during start-up: no workers
+                await self._shutdown(None)
+                return self.summary()
             if self.train_steps >= self.max_steps:
                 self.emit(
                     f"run {self.run_name!r} is already at step {self.train_steps}, "
@@ -264,6 +232,8 @@ class Controller(RolloutPump):
                     f"{self.train_steps + 100})."
                 )
                 self.stop = True
+            else:
+                self.phase(f"step {self.train_steps + 1}: waiting for the first rollouts")
             await self._run_pumps()
         except BaseException as exc:
             await self._shutdown(exc)
@@ -316,6 +286,7 @@ class Controller(RolloutPump):
             "db": ck.db if ck.enabled else None,
             "resumed_from": self.resumed_from,
             "stopped_early": self.stopped_early,
+            "workers_started": self.workers_started,
             "history": list(self.history),
         }
 
@@ -355,18 +326,24 @@ class Controller(RolloutPump):
                 return chosen is not None
 
             self.train_wait = "groups"
-            await self._wait_until(ready)
+            waited = await self._wait_in_budget(ready)
             if self.fatal is not None:
                 raise RolloutError(
                     f"rollouts failed {self.rollout_failures} times in a row, the last with "
                     f"{type(self.fatal).__name__}: {self.fatal}"
                 ) from self.fatal
+            if await self._out_of_time():  # checked before every step, the first included
+                return
+            if not waited:
+                continue
             if self.stop or chosen is None:
                 return
             if not chosen:  # rollouts exhausted and nothing left to train on
                 break
             await self._train_on(chosen, started)
             self.watchdog.stepped()
+            if self.train_steps - (self.resumed_from or 0) == 1:
+                self.phase(f"step {self.train_steps} trained; training on")
             if self.stopped_early:
                 return
         self.checkpointer.report()
@@ -411,6 +388,9 @@ class Controller(RolloutPump):
                 "metrics": metrics,
             }
         )
+        run = self.checkpointer.run
+        if run is not None and run.writable:  # the per-step curve, written in batches
+            run.log_metrics(self.train_steps, {f"train:{k}": v for k, v in metrics.items()})
         self.step_seconds_total += time.perf_counter() - started
         await self._notify()
         self.train_wait = f"the checkpoint save of step {self.train_steps}"
@@ -421,14 +401,10 @@ class Controller(RolloutPump):
                 f"{metrics['buffer']:>3.0f} | staleness {metrics['staleness']:.2f} | kl "
                 f"{metrics['kl']:.4f}{save_note}"
             )
-        if self.stopped_early:
-            checkpointer = self.checkpointer
-            self.emit(
-                f"checkpoint_must_save_by: the time budget ({checkpointer.budget:.0f} s from "
-                f"process start) would run out before another step; saved step "
-                f"{self.train_steps} of run {self.run_name!r} and stopping early. Re-run the "
-                "same command to resume."
-            )
+        if self.stop_why is not None:
+            mean = self._mean_step_seconds()
+            stops = self.checkpointer.stops
+            self.emit(stops.stop_line(self.stop_why, self.run_name, self.train_steps, mean, True))
 
     async def _checkpoint(self, metrics: dict[str, float]) -> str:
         """Commit a finished save, and save this step if a trigger fires."""
@@ -439,10 +415,49 @@ class Controller(RolloutPump):
         checkpointer.report()
         drained = self.exhausted and self.ledger.inflight == 0 and not self.buffer.ready_groups()
         last = self.train_steps >= self.max_steps or drained
-        trigger, stop = checkpointer.trigger(self.train_steps, self._mean_step_seconds(), last)
+        done = self.train_steps - (self.resumed_from or 0)
+        trigger, stop = checkpointer.trigger(
+            self.train_steps, done, self._mean_step_seconds(), last
+        )
         if trigger is None:
             return ""
-        blocked = await checkpointer.save(
+        blocked = await self._save(trigger, metrics)
+        self.stop_why = stop
+        self.stopped_early = stop is not None
+        return f" | save ({trigger}) blocked {blocked:.3f}s"
+
+    async def _wait_in_budget(self, ready: Callable[[], bool]) -> bool:
+        """Wait until ``ready()`` holds or the run stops (True), or until the time budget can
+        no longer hold a step and a save (False)."""
+        mean = self._mean_step_seconds()
+        left = self.checkpointer.stops.left_to_wait(mean) if self.checkpointer.enabled else None
+        try:
+            await asyncio.wait_for(self._wait_until(ready), timeout=left)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _out_of_time(self) -> bool:
+        """Before a step: whether the time budget cannot hold it and a save; then what is not
+        saved yet is saved at once and the start stops (a deadline is never overrun)."""
+        checkpointer, mean = self.checkpointer, self._mean_step_seconds()
+        stops = checkpointer.stops
+        if not checkpointer.enabled or stops.fired or not stops.out_of_time(mean):
+            return False
+        stops.fired = self.stopped_early = True
+        if mean is None:  # no step in this start: nothing new exists
+            new = self.resumed_from is None
+            self.emit(stops.startup_line(self.run_name, self.train_steps, new))
+            return True
+        unsaved = self.train_steps > max(checkpointer.saved_steps, default=0)
+        if unsaved:
+            await self._save("timeout", self.history[-1]["metrics"])
+        self.emit(stops.stop_line("time", self.run_name, self.train_steps, mean, unsaved))
+        return True
+
+    async def _save(self, trigger: str, metrics: dict[str, float]) -> float:
+        """Save this step (the uploads go on in the background); the seconds it blocked."""
+        return await self.checkpointer.save(
             trigger,
             self.train_steps,
             policy=self.policy,
@@ -454,8 +469,6 @@ class Controller(RolloutPump):
             training_info=self._training_info(metrics),
             metrics={f"train:{key}": value for key, value in metrics.items()},
         )
-        self.stopped_early = stop
-        return f" | save ({trigger}) blocked {blocked:.3f}s"
 
     def _training_info(self, metrics: dict[str, float]) -> dict[str, Any]:
         metric_name = self.cfg.checkpointing.metric_name

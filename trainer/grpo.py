@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-PROCESS_START = time.time()  # checkpoint_must_save_by counts from here
+PROCESS_START = time.time()  # checkpoint_must_save_by and the progress lines count from here
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402
@@ -19,12 +19,15 @@ import shlex  # noqa: E402
 import shutil  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import TYPE_CHECKING, Any  # noqa: E402
 
-from ckptstore import CkptStoreError  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.errors import TrainerError  # noqa: E402
+from trainer.failures import error_line, exit_code, known_error  # noqa: E402
+from trainer.progress import progress_line, wanted  # noqa: E402
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 EPILOG = """\
 examples:
@@ -36,7 +39,15 @@ examples:
 
 Config names follow DESIGN.md §9.1 (see trainer/config.py for every key and its default).
 checkpoint_must_save_by takes DD:HH:MM:SS counted from process start, or an absolute
-ISO-8601 time; when the next step would overrun it the trainer saves and exits 0.
+ISO-8601 time; it is never overrun: when the time left cannot hold another step and a save,
+the trainer saves what it has not saved yet, says so and exits 0 (also before its first step).
+checkpointing.stop_after_steps=N trains N steps per start, however long start-up takes.
+
+exit status: 0 finished or stopped early; 1 a failure at run time (a save, the store or the
+database failing, a stall, a lost worker, anything unexpected; re-run to resume); 2 fix the
+configuration or the run first (a bad key, a refused resume, a store or database URL that
+ckptstore cannot use, a database to upgrade). Either way one error: line on stderr;
+--traceback adds the traceback.
 """
 
 
@@ -49,6 +60,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", help="a YAML file with config overrides")
+    parser.add_argument(
+        "--progress",
+        action="store_true",
+        help="print start-up progress lines on stderr (the default when stderr is a terminal)",
+    )
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="print the traceback of a failure before its error: line",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     return parser.parse_args(argv)
 
@@ -71,18 +92,31 @@ def resolve_locations(cfg: TrainerConfig) -> None:
         cfg.logger.prompt_trace = str(Path(cfg.logger.prompt_trace).resolve())
 
 
-async def _drive_local(controller: Any) -> dict[str, Any]:
-    task = asyncio.create_task(controller.run_training())
-    while not task.done():
-        await asyncio.wait({task}, timeout=0.2)
-        for line in controller.drain():
-            print(line, flush=True)
-    for line in controller.drain():
+def _show(output: tuple[list[str], list[str]], progress: bool) -> None:
+    """Print the controller's lines on stdout and, when wanted, its progress lines on stderr."""
+    lines, phases = output
+    if progress:  # first: a phase line was queued before the lines that follow it
+        for line in phases:
+            print(line, file=sys.stderr, flush=True)
+    for line in lines:
         print(line, flush=True)
+
+
+async def _drive_local(controller: Any, progress: bool) -> dict[str, Any]:
+    task = asyncio.create_task(controller.run_training())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.2)
+            _show(controller.drain_all(), progress)
+    finally:
+        _show(controller.drain_all(), progress)
     return task.result()  # type: ignore[no-any-return]
 
 
-def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
+def _drive_ray(cfg: TrainerConfig, progress: bool) -> dict[str, Any]:
+    if progress:
+        where = f"the Ray cluster at {cfg.ray_address}" if cfg.ray_address else "a local cluster"
+        print(progress_line(PROCESS_START, f"starting Ray ({where})"), file=sys.stderr)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -103,6 +137,8 @@ def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
             logging_level=logging.ERROR,
             configure_logging=True,
         )
+    if progress:
+        print(progress_line(PROCESS_START, "Ray is up; starting the controller"), file=sys.stderr)
     try:
         # Any: Ray's actor handles are typed as the class, whose methods have no .remote.
         # The controller runs on the driver's node: losing another node must not take it.
@@ -115,8 +151,7 @@ def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
         done = controller.run_training.remote()
         while True:
             ready, _ = ray.wait([done], timeout=0.2)
-            for line in ray.get(controller.drain.remote()):
-                print(line, flush=True)
+            _show(ray.get(controller.drain_all.remote()), progress)
             if ready:
                 return ray.get(done)  # type: ignore[no-any-return]
     finally:
@@ -127,8 +162,11 @@ def _drive_ray(cfg: TrainerConfig) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Train (or resume); the exit status: 0 done or stopped early, 2 fix the config or the
-    run, 1 a failure at run time."""
+    run, 1 a failure at run time (see :func:`trainer.failures.exit_code`)."""
     args = parse_args(argv)
+    progress = wanted(args.progress)
+    if progress:
+        print(progress_line(PROCESS_START, "loading torch and the config"), file=sys.stderr)
     from trainer.config import load_config
     from trainer.controller import Controller
 
@@ -136,20 +174,23 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         resolve_locations(cfg)
         if cfg.backend == "local":
-            summary = asyncio.run(_drive_local(Controller(cfg, PROCESS_START)))
+            summary = asyncio.run(_drive_local(Controller(cfg, PROCESS_START), progress))
         else:
-            summary = _drive_ray(cfg)
+            summary = _drive_ray(cfg, progress)
     except Exception as exc:
-        known = _known_error(exc)
-        if known is None:
-            raise
-        print(f"error: {known}", file=sys.stderr)
-        return getattr(known, "exit_code", 2)
-    state = "stopped early" if summary["stopped_early"] else "finished"
-    print(
-        f"{state}: run {summary['run']!r} at step {summary['train_steps']} "
-        f"({summary['consumed_samples']} prompts, {summary['consumed_generations']} samples)"
-    )
+        if args.traceback:
+            traceback.print_exception(exc)
+        known = known_error(exc)
+        print(f"error: {error_line(exc, known)}", file=sys.stderr, flush=True)
+        return exit_code(known)
+    if not summary["workers_started"]:  # the time budget ran out during start-up
+        print(f"stopped early: run {summary['run']!r} stays at step {summary['train_steps']}")
+    else:
+        state = "stopped early" if summary["stopped_early"] else "finished"
+        print(
+            f"{state}: run {summary['run']!r} at step {summary['train_steps']} "
+            f"({summary['consumed_samples']} prompts, {summary['consumed_generations']} samples)"
+        )
     if summary["db"] is not None:
         print("\n".join(where_lines(summary)))
     return 0
@@ -166,8 +207,9 @@ def where_lines(summary: dict[str, Any]) -> list[str]:
     else:
         shown = f"{len(saved)} checkpoints (steps {saved[0]}..{saved[-1]})"
     lines = [
-        f"this process saved {shown}; the run keeps steps {kept} (retention: "
-        "checkpointing.keep_top_k, keep_latest_k)",
+        f"this process saved {shown}; the run keeps "
+        + ("what it kept before" if kept is None else f"steps {kept}")
+        + " (retention: checkpointing.keep_top_k, keep_latest_k)",
         f"the run is in the store {store} and the manifest database {db}; to look at it:",
     ]
     command = _cli_command(db, store)
@@ -196,25 +238,6 @@ def _cli_command(db: str, store: str) -> str:
 
 def _resolved(location: str) -> str:
     return location if "://" in location else str(Path(location).resolve())
-
-
-def _known_error(exc: BaseException) -> BaseException | None:
-    """A TrainerError or ckptstore error, also when Ray wrapped it (RayTaskError keeps it as
-    its cause); ckptstore errors exit 2 (their message names what to fix)."""
-    seen: BaseException | None = exc
-    for _ in range(5):
-        if seen is None:
-            return None
-        # Ray's wrapper first: it is also an instance of the error it wraps, but its message is
-        # the remote traceback, not the error's own.
-        cause = getattr(seen, "cause", None)
-        if isinstance(cause, BaseException):
-            seen = cause
-            continue
-        if isinstance(seen, TrainerError | CkptStoreError):
-            return seen
-        seen = seen.__cause__
-    return None
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,3 +53,21 @@ def saved_lines(info: CheckpointInfo) -> list[str]:
             "stale (recorded in training_info.stale_components)"
         )
     return lines
+
+
+def exit_noting(
+    close: Callable[[], None], what: str, _: object, error: BaseException | None, *__: object
+) -> None:
+    """A writer's exit as ckptstore's, without its log: a close failure raises on a clean exit
+    and is a note on the error in flight otherwise, naming ``what`` ("checkpoint save", ...).
+    The driver prints that error as one line; ckptstore's exit would also log the close failure
+    with its traceback."""
+    if error is None:
+        close()
+        return
+    try:
+        close()
+    except Exception as exc:
+        error.add_note(f"trainer: the pending {what} also failed: {exc!r}")
+        if exc.__cause__ is not None:
+            error.add_note(f"trainer: caused by {exc.__cause__!r}")

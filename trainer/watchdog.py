@@ -16,17 +16,39 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from trainer.config import TrainerConfig
 from trainer.errors import TrainerError
+from trainer.ledger import PromptLedger
+from trainer.replay import ReplayBuffer
+from trainer.samplers import PromptGroupSampler
 
-if TYPE_CHECKING:
-    from trainer.controller import Controller
-
-__all__ = ["StallError", "Watchdog", "diagnose"]
+__all__ = ["PumpState", "StallError", "Watchdog", "diagnose"]
 
 #: How many recent intervals between steps the median is taken over.
 WINDOW = 101
+
+
+class PumpState(Protocol):
+    """What the diagnosis reads of the pumps (the controller provides it)."""
+
+    cfg: TrainerConfig
+    train_steps: int
+    prompts_per_step: int
+    capacity: int
+    buffer: ReplayBuffer
+    sampler: PromptGroupSampler
+    ledger: PromptLedger
+    exhausted: bool
+    #: What the train pump waits for ("groups": groups the sampler selects).
+    train_wait: str
+    #: > 0: the rollout pump waits for that many capacity permits.
+    permits_wanted: int
+
+    @property
+    def run_name(self) -> str:
+        """The run being trained."""
 
 
 class StallError(TrainerError):
@@ -75,7 +97,7 @@ class Watchdog:
                 return
 
 
-def diagnose(controller: Controller, watchdog: Watchdog, idle: float) -> str:
+def diagnose(controller: PumpState, watchdog: Watchdog, idle: float) -> str:
     """One line: how long, the limit, and what each pump waits for."""
     median = watchdog.median()
     limit = f"watchdog.min_seconds={watchdog.min_seconds:g}"
@@ -89,7 +111,7 @@ def diagnose(controller: Controller, watchdog: Watchdog, idle: float) -> str:
     )
 
 
-def _train_wait(c: Controller) -> str:
+def _train_wait(c: PumpState) -> str:
     if c.train_wait != "groups":
         return c.train_wait
     ready = c.buffer.ready_groups()
@@ -101,7 +123,7 @@ def _train_wait(c: Controller) -> str:
     )
 
 
-def _rollout_wait(c: Controller) -> str:
+def _rollout_wait(c: PumpState) -> str:
     if c.permits_wanted > 0:
         return (
             f"capacity permits for {c.permits_wanted} more prompts (all "

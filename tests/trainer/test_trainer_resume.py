@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from trainer_helpers import small_config, train
+from trainer_helpers import LONG_BUDGET, small_config, train
 
 from ckptstore.checkpointer import open_run
 from ckptstore.errors import SaveError
@@ -144,9 +144,10 @@ def test_exactly_once_prompts_across_an_interruption(tmp_path: Path) -> None:
 
 
 def test_deadline_saves_at_the_first_boundary_and_stops_early(tmp_path: Path) -> None:
-    # The clock starts at process start: a process "started" 5 s ago with a 1 s budget.
-    cfg = small_config(tmp_path, checkpointing__checkpoint_must_save_by="00:00:00:01")
-    summary, lines = train(cfg, process_start=time.time() - 5)
+    # The budget runs out at the first step boundary (the helper's clock): step 1 is saved
+    # ("timeout") and the run stops. A budget gone before the first step: test_trainer_budget.
+    cfg = small_config(tmp_path, checkpointing__checkpoint_must_save_by=LONG_BUDGET)
+    summary, lines = train(cfg, budget_stop_at=1)
     assert summary["stopped_early"]
     assert summary["train_steps"] == 1
     assert summary["saved_steps"] == [1]

@@ -1,8 +1,12 @@
 """The reference's two-run test, through the real command on Ray (DESIGN.md §11).
 
-Run 1 has a 1-second ``checkpoint_must_save_by``: it saves at the first step boundary, says why
-it stops and exits 0. Run 2, the same command without the deadline, resumes from step 1 and
-reaches max_num_steps=4. Once on SQLite + a local directory, once on PostgreSQL + SeaweedFS.
+Run 1 stops after one step (``checkpointing.stop_after_steps=1``: the reference's 1-second
+``checkpoint_must_save_by`` counted from the first iteration; ours counts from process start
+and is never overrun, so a budget start-up has spent trains nothing, see test_trainer_budget):
+it saves at the first step boundary, says why it stops and exits 0, with its start-up phases
+on stderr (``--progress``). Run 2, the same command without the stop, resumes from step 1 and
+reaches max_num_steps=4; without a terminal or ``--progress`` it prints no progress lines.
+Once on SQLite + a local directory, once on PostgreSQL + SeaweedFS.
 """
 
 from __future__ import annotations
@@ -44,15 +48,19 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 def _two_runs(tmp_path: Path, db: str, store: str, env: dict[str, str]) -> None:
     args = small_overrides(tmp_path, **{"checkpointing.db": db, "checkpointing.store": store})
-    first = _trainer([*args, "checkpointing.checkpoint_must_save_by=00:00:00:01"], env)
+    first = _trainer(["--progress", *args, "checkpointing.stop_after_steps=1"], env)
     assert first.returncode == 0, first.stdout + first.stderr
-    assert "checkpoint_must_save_by" in first.stdout
+    assert "checkpointing.stop_after_steps=1: this start trained 1 step;" in first.stdout
     assert "saved step 1 of run 't' and stopping early" in first.stdout
+    phases = [line for line in first.stderr.splitlines() if line.startswith("[")]
+    for what in ("starting Ray", "warm-up model", "waiting for the first rollouts", "trained"):
+        assert any(what in line for line in phases), first.stderr
     assert "stopped early: run 't' at step 1" in first.stdout
     assert "step    2" not in first.stdout
 
     second = _trainer(args, env)
     assert second.returncode == 0, second.stdout + second.stderr
+    assert "starting Ray" not in second.stderr
     assert "resumed run 't' from step 1" in second.stdout
     assert "finished: run 't' at step 4" in second.stdout
     assert "step    1 " not in second.stdout
