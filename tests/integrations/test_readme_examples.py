@@ -1,9 +1,12 @@
-"""The README's torchrun examples run as printed: two CPU ranks each, on a fresh directory.
+"""The docs' torchrun and import examples run as printed, with their outputs checked: two CPU
+ranks each, on a fresh directory.
 
-The scripts are taken from the README itself (the python block that starts with
-``# train_dcp.py`` / ``# train_megatron.py`` / ``# import_example.py``), and so are the
-``ckptstore export`` / ``import`` / ``show`` command lines printed beside them, so the README
-cannot drift from the code.
+The scripts are taken from the docs pages themselves (the python block that starts with
+``# train_dcp.py`` in docs/dcp.md, ``# train_megatron.py`` in docs/megatron.md,
+``# import_example.py`` in docs/huggingface.md), and so are the ``ckptstore export`` /
+``show`` command lines printed beside them, so the docs cannot drift from the code.
+tests/docs/test_docs_blocks.py runs every block as printed (the torchrun ones in the slow
+tier); this module checks what they print and write.
 """
 
 from __future__ import annotations
@@ -22,25 +25,41 @@ from safetensors.torch import load_file
 
 from ckptstore import open_run
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
+#: The page each example is on.
+PAGES = {
+    "train_dcp.py": "dcp.md",
+    "train_megatron.py": "megatron.md",
+    "import_example.py": "huggingface.md",
+    "fsdp-demo": "dcp.md",
+    "megatron-demo": "megatron.md",
+    "base@100": "huggingface.md",
+}
+
+
+def page(key: str) -> str:
+    return (DOCS / PAGES[key]).read_text()
+
+
 def script(name: str) -> str:
-    match = re.search(rf"```python\n(# {re.escape(name)}.*?)```", README.read_text(), re.S)
-    assert match is not None, f"the README has no python block starting with '# {name}'"
+    match = re.search(rf"```python\n(# {re.escape(name)}.*?)```", page(name), re.S)
+    assert match is not None, f"docs/{PAGES[name]} has no python block starting with '# {name}'"
     return match.group(1)
 
 
 def commands(prefix: str) -> list[list[str]]:
-    """The README's command lines that start with ``prefix`` (e.g. ``.venv/bin/ckptstore export
+    """The docs' command lines that start with ``prefix`` (e.g. ``.venv/bin/ckptstore export
     fsdp-demo``), comments dropped, as argument lists run with this venv's ``ckptstore``."""
     found = []
-    for line in README.read_text().splitlines():
+    key = next(k for k in PAGES if k in prefix)
+    for line in page(key).splitlines():
         if line.startswith(prefix):
             argv = shlex.split(line.split("  #", 1)[0])
             found.append([str(Path(sys.executable).with_name("ckptstore")), *argv[1:]])
-    assert found, f"the README has no command line starting with {prefix!r}"
+    assert found, f"docs/{PAGES[key]} has no command line starting with {prefix!r}"
     return found
 
 
@@ -126,6 +145,6 @@ def test_the_import_example_imports_loads_forks_and_shows(tmp_path: Path) -> Non
         timeout=180,
     )
     assert done.returncode == 0, done.stderr[-4000:]
-    (shown,) = run_commands(tmp_path, "ckptstore show base@100 --entries")
+    (shown,) = run_commands(tmp_path, ".venv/bin/ckptstore show base@100 --entries")
     assert "model.w" in shown
     assert "[4,4]" in shown

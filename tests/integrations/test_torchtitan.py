@@ -3,7 +3,7 @@ is built from its config class as torchtitan's Trainer builds it, with torchtita
 ModelWrapper, OptimizersContainer and LRSchedulersContainer; only the model is a small
 ``nn.Sequential`` (torchtitan's llama3 debug model needs triton, which a CPU-only torch lacks).
 
-The two-rank FSDP2 run is the README's example (``# train_torchtitan.py``), launched by
+The two-rank FSDP2 run is docs/torchtitan.md's example (``# train_torchtitan.py``), launched by
 torchrun: interrupted and resumed, it ends with the same weights as an uninterrupted run.
 """
 
@@ -38,7 +38,7 @@ pytestmark = [
     # torchtitan's LRSchedulersContainer.load_state_dict calls get_lr() outside step().
     pytest.mark.filterwarnings("ignore:To get the last learning rate:UserWarning"),
 ]
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md"
 
 
 class TrainState:
@@ -382,12 +382,12 @@ def test_without_torchtitan_the_module_names_the_install_and_ckptstore_still_imp
     assert "pip install torchtitan==0.3.0" in done.stdout
 
 
-# -- the README's example: two gloo ranks, FSDP2, torchrun ---------------------------------
+# -- docs/torchtitan.md's example: two gloo ranks, FSDP2, torchrun ---------------------------------
 
 
 def readme_script(name: str) -> str:
-    match = re.search(rf"```python\n(# {re.escape(name)}.*?)```", README.read_text(), re.S)
-    assert match is not None, f"the README has no python block starting with '# {name}'"
+    match = re.search(rf"```python\n(# {re.escape(name)}.*?)```", PAGE.read_text(), re.S)
+    assert match is not None, f"docs/torchtitan.md has no python block starting with '# {name}'"
     return match.group(1)
 
 

@@ -6,7 +6,7 @@ Tests add their counts with the ``reliability_report`` fixture::
 
 and the session ends with lines such as ``crash points: 24 killed, 24 resumed verified, 0 lost``
 (counts summed over the tests; the keys keep their order, underscores read as spaces). These are
-the figures the README's "Reliability" section quotes from a ``make stress`` run.
+the figures docs/reliability.md quotes from a ``make stress`` run.
 
 ``sqlite_url`` is a fresh SQLite manifest for the cases that need no PostgreSQL.
 """
