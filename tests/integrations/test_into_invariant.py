@@ -62,3 +62,45 @@ def test_disjoint_views_of_one_buffer_load_exactly(tmp_path: Path) -> None:
         buffer = torch.zeros(4, 2)
         run.load(1, into={"m": {"x": buffer[:, 0], "y": buffer[:, 1]}})
     assert torch.equal(buffer, torch.stack([torch.arange(4.0), -torch.arange(4.0)], 1))
+
+
+def test_dcp_load_fills_tied_weights(tmp_path: Path) -> None:
+    """One tensor under two names (tied embedding and output weights, as a model's state dict
+    lists them) is one target, not two sharing memory."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    warnings.simplefilter("ignore", UserWarning)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    saved = model[0].weight.detach().clone()
+    with open_run("r", db=tmp_path / "m.db", store=tmp_path / "s", async_save=False) as run:
+        ckpt_dcp.save(get_model_state_dict(model), run, 1)
+        with torch.no_grad():
+            model[0].weight.zero_()
+        ckpt_dcp.load(get_model_state_dict(model), run, 1)
+    assert torch.equal(model[0].weight, saved)
+    assert model[1].weight is model[0].weight
+
+
+class _Holder:
+    """A Stateful whose state DCP expands before planning (as an optimizer's is)."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"x": self.x}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.x = state["x"]
+
+
+def test_dcp_load_checks_the_targets_inside_stateful_states(tmp_path: Path) -> None:
+    warnings.simplefilter("ignore", UserWarning)
+    with open_run("r", db=tmp_path / "m.db", store=tmp_path / "s", async_save=False) as run:
+        ckpt_dcp.save({"a": torch.arange(16.0) + 1, "h": _Holder(torch.ones(4, 4))}, run, 1)
+        a = torch.zeros(16)
+        with pytest.raises(ConfigError, match=r"'h\.x'.*overlap"):
+            ckpt_dcp.load({"a": a, "h": _Holder(torch.zeros(4).expand(4, 4))}, run, 1)
+    assert not a.any()

@@ -25,7 +25,6 @@ import logging
 from types import TracebackType
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlanner
@@ -102,7 +101,6 @@ def load(
     source or store that cannot work, naming the fix), or the ckptstore error a rank raised.
     """
     planner = planner or NoPickleLoadPlanner()
-    _check_targets(state_dict)  # before anything is read: every target, or none, is written
     with _Load(source, step, store, process_group, fallback, max_workers) as coordinated:
         reader = coordinated.start()
         while True:
@@ -112,25 +110,6 @@ def load(
                 reader = coordinated.after(exc)
                 continue
             return coordinated.done()
-
-
-def _check_targets(state_dict: dict[str, Any]) -> None:
-    """Refuse, naming it, a plain tensor of ``state_dict`` that a load cannot fill element by
-    element (meta, expanded, self-overlapping) or that shares memory with another: torch's
-    copy raised only once the other tensors were filled, or silently lost elements."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
-    from ckptstore.extending import check_targets
-
-    flat, _ = flatten_state_dict(state_dict)
-    plain = {
-        str(fqn): value
-        for fqn, value in flat.items()
-        if isinstance(value, torch.Tensor)
-        and not hasattr(value, "to_local")  # DTensor: DCP writes its local shard
-        and not hasattr(value, "local_shards")  # ShardedTensor
-    }
-    check_targets("the DCP load's state_dict", plain)
 
 
 class _Load:

@@ -11,6 +11,8 @@ from concurrent.futures import Future as ConcurrentFuture
 from typing import Any
 
 import torch
+from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import (
     ReadItem,
@@ -20,7 +22,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ckptstore.extending import HostBuffers
+from ckptstore.extending import HostBuffers, check_targets
 from ckptstore.integrations.dcp._plainvalues import decode_plain, encode_plain
 
 # -- planners ---------------------------------------------------------------------------------
@@ -42,7 +44,21 @@ class NoPickleSavePlanner(DefaultSavePlanner):
 
 class NoPickleLoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner, except that non-tensor values are decoded from JSON text and
-    never unpickled: a pickle planted in the store is refused, not run."""
+    never unpickled: a pickle planted in the store is refused, not run; and that a target no
+    load can fill element by element (meta, expanded, self-overlapping), or two that share
+    memory, is refused by name before anything is read (torch's copy raised only once the
+    other targets were filled, or silently lost elements).
+
+    The check runs when DCP sets up the planner, on every rank, with the Stateful states
+    (optimizer, schedulers) expanded: a refusal is each rank's failure of DCP's planning
+    round, so every rank raises it and none waits. It comes before DCP's own set-up, which
+    would replace a meta target by a new tensor the caller never sees."""
+
+    def set_up_planner(self, state_dict: Any, *args: Any, **kwargs: Any) -> None:
+        """The check of every tensor target DCP will write, then DCP's set-up."""
+        flat, _ = flatten_state_dict(state_dict)
+        check_targets("the DCP load's state_dict", local_targets(flat))
+        super().set_up_planner(state_dict, *args, **kwargs)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Decode one plain value and put it where the state dict has it."""
@@ -52,6 +68,38 @@ class NoPickleLoadPlanner(DefaultLoadPlanner):
             _set_element(self.original_state_dict, self.mappings[fqn], decoded)
         else:
             self.state_dict[fqn] = decoded
+
+
+def local_targets(flat: dict[Any, Any]) -> dict[str, torch.Tensor]:
+    """The tensors DCP writes for a flattened state dict, by name: a plain tensor itself, a
+    DTensor's local shard, a ShardedTensor's local shards. A tensor under several names (a
+    tied weight: one Parameter, as a model's state dict lists it under each name) is one
+    target, named once: its entries were saved from that one tensor."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for fqn, value in flat.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if isinstance(value, ShardedTensor):
+            tensors = [(f"{fqn}[{n}]", s.tensor) for n, s in enumerate(value.local_shards())]
+        elif isinstance(value, DTensor):  # DCP writes its local shard
+            tensors = [(str(fqn), value.to_local())]
+        else:
+            tensors = [(str(fqn), value)]
+        for name, tensor in tensors:
+            if tensor.device.type != "meta":
+                alias = (
+                    tensor.data_ptr(),
+                    tensor.device,
+                    tensor.dtype,
+                    tensor.shape,
+                    tensor.stride(),
+                )
+                if alias in seen:
+                    continue
+                seen.add(alias)
+            found[name] = tensor
+    return found
 
 
 def _set_element(root: Any, path: Any, value: Any) -> None:
