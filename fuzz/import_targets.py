@@ -300,7 +300,10 @@ class Mutator:
         elif field == "shape":
             doc[name]["shape"] = rng.choice(([], [0], [2**40], [-1], [2**62, 2**62], [3, 3, 3]))
         else:
-            a, b = doc[name]["data_offsets"]
+            offsets = doc[name].get("data_offsets")
+            if not (isinstance(offsets, list) and len(offsets) == 2):  # an earlier mutation
+                return self.bytes_of(path)
+            a, b = offsets
             doc[name]["data_offsets"] = rng.choice(
                 (
                     [b, a],
@@ -352,7 +355,7 @@ class Mutator:
                 "missing.safetensors",
                 "config.json",
                 "model.safetensors.index.json",
-                rng.choice(sorted(set(weight_map.values()))),
+                rng.choice(sorted(set(map(str, weight_map.values())))),
                 rng.choice(HOSTILE_VALUES),
             )
         )

@@ -22,6 +22,7 @@ from ckptstore.cas.blobs import MissingBlobError
 from ckptstore.cas.digest import blob_key, digest_from_key
 from ckptstore.checkpointer.restore import (
     LoadedCheckpoint,
+    Overwritten,
     Reader,
     check_store_holds,
     readable_state,
@@ -62,6 +63,7 @@ def load_nearest(
     reachable = tiers.reachable(reader.db)
     skipped: list[tuple[int, str]] = []
     before: int | None = None
+    overwritten = Overwritten(into, wanted, paths)
     while True:
         info = _choose(reader, reachable, step, before, skipped)
         nearest = tiers.nearest(tiering.copies_of(reader.db, info.id), reachable, reader.store)
@@ -71,11 +73,13 @@ def load_nearest(
             if step is not None or not fallback:
                 raise
             _fail(reader, info, nearest, exc)
+            overwritten.failed(nearest, info)
             skipped.append((info.step, str(exc)))
             before = info.step
             continue
         finally:
             _forget_bad(reader, nearest)
+        overwritten.check(nearest, reader.name, info)
         read = {("store" if node == STORE else node): n for node, n in nearest.read_from.items()}
         if skipped:
             log.warning("recovered run %r from step %d", reader.name, info.step)

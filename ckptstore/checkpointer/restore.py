@@ -35,6 +35,7 @@ from ckptstore.manifest.records import CheckpointInfo, ComponentInfo
 from ckptstore.names import check_step
 from ckptstore.objectstore import ObjectStore
 from ckptstore.serialize.reader import ComponentReader, PlannedLoad, load_components
+from ckptstore.serialize.tree import tensor_paths
 
 log = logging.getLogger("ckptstore.checkpointer")
 
@@ -89,6 +90,7 @@ def load(
         return LoadedCheckpoint(info, readable_state(reader, info, wanted, paths, into))
     skipped: list[tuple[int, str]] = []
     before: int | None = None
+    overwritten = Overwritten(into, wanted, paths)
     while True:
         found = reads.newest_committed(reader.db, reader.key, before_step=before)
         if found is None:
@@ -104,10 +106,67 @@ def load(
             if isinstance(exc, MissingBlobError):
                 check_store_holds(reader, found, exc)
             report_corrupt(reader, found, exc)
+            overwritten.failed(reader.store, found)
             skipped.append((found.step, str(exc)))
             before = found.step
             continue
+        overwritten.check(reader.store, reader.name, found)
         return LoadedCheckpoint(found, state, tuple(skipped))
+
+
+class Overwritten:
+    """The tensors of a load's ``into`` that an attempt which failed verification may have
+    written (a blob's bytes land in its target as they arrive; its digest is checked at its
+    end): the checkpoint a fallback loads must write each of them again, or the load fails
+    rather than hand back a target holding bytes that did not verify."""
+
+    def __init__(
+        self,
+        into: Mapping[str, Any] | None,
+        wanted: set[str] | None,
+        paths: Mapping[str, Iterable[str]] | None,
+    ) -> None:
+        self._into, self._wanted, self._paths = into or {}, wanted, paths
+        #: (component, entry path) -> the step whose failed load may have written it.
+        self.written: dict[tuple[str, str], int] = {}
+
+    def _planned(self, store: ObjectStore, info: CheckpointInfo) -> set[tuple[str, str]]:
+        """The (component, path) targets a load of ``info`` writes."""
+        found: set[tuple[str, str]] = set()
+        for comp in info.components:
+            target = self._into.get(comp.name)
+            if target is None or (self._wanted is not None and comp.name not in self._wanted):
+                continue
+            try:
+                entries = {e.path for e in ComponentReader(store, comp.index_digest).entries}
+            except CkptStoreError:  # an index that cannot be read: none of its entries loaded
+                continue
+            if self._paths is not None and comp.name in self._paths:
+                entries &= set(self._paths[comp.name])
+            found.update((comp.name, path) for path in tensor_paths(target) if path in entries)
+        return found
+
+    def failed(self, store: ObjectStore, info: CheckpointInfo) -> None:
+        """A load of ``info`` failed verification: what it may have written."""
+        if self._into:
+            for key in self._planned(store, info):
+                self.written.setdefault(key, info.step)
+
+    def check(self, store: ObjectStore, run: str, info: CheckpointInfo) -> None:
+        """``info`` loaded: refuse if a target the failed attempts wrote is not written again."""
+        if not self.written:
+            return
+        missing = sorted(set(self.written) - self._planned(store, info))
+        if missing:
+            (component, path), more = missing[0], len(missing) - 1
+            step = self.written[(component, path)]
+            also = f" (and {more} more)" if more else ""
+            raise IntegrityError(
+                f"run {run!r}: step {step} did not verify and step {info.step}, the newest "
+                f"checkpoint that does, has no entry {path!r} in component {component!r}{also}: "
+                f"the tensor passed for it in into= may hold bytes of step {step} that did not "
+                "verify; load it from elsewhere (a step that has it), or leave it out of into="
+            )
 
 
 def readable_state(

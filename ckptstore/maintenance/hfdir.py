@@ -47,7 +47,7 @@ def previous_export(directory: Path) -> set[str]:
             shards = document["weight_map"].values()
             files = document.get("metadata", {}).get(FILES_KEY, [])
             own = {*shards, *files}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise ConfigError(
                 f"{where}: its {INDEX_NAME} is not a safetensors index; export into an empty "
                 "directory or remove it"

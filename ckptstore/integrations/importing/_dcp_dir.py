@@ -34,6 +34,21 @@ def read_dcp(path: Path, progress: Progress | None = None) -> dict[str, Any]:
     (``progress`` is called with the bytes of each item read)."""
     where = str(path / ".metadata")
     metadata = load_metadata((path / ".metadata").read_bytes(), where)
+    try:
+        return _read_items(path, metadata, where, progress)
+    except (AttributeError, TypeError) as exc:
+        # The allowlist unpickler rebuilds DCP's metadata objects from what the file says,
+        # without their constructors: a crafted file can leave out a field or give it the
+        # wrong type. Either is the file's error, said in one line.
+        raise SerializationError(
+            f"{where}: malformed DCP metadata ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _read_items(
+    path: Path, metadata: Metadata, where: str, progress: Progress | None
+) -> dict[str, Any]:
+    """:func:`read_dcp` once the metadata is unpickled."""
     entries, storage = _checked_metadata(metadata, where)
     state: dict[str, Any] = {}
     for fqn, md in entries.items():

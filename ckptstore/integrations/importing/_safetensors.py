@@ -67,7 +67,8 @@ def _safetensors_files(path: Path) -> dict[Path, list[str] | None]:
 def _index_shards(path: Path, index: Path) -> dict[Path, list[str] | None]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        # RecursionError: JSON nested past the parser's depth (a crafted index).
         raise SerializationError(f"{index}: not a safetensors index ({exc})") from None
     if not isinstance(weight_map, dict):
         raise SerializationError(f"{index}: weight_map is not an object")
