@@ -143,3 +143,51 @@ def test_a_storage_length_past_the_files_end_is_exit_3_before_anything_is_read(
     assert "ends before byte" in err
     assert "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "strip", ["state_dict_metadata", "storage_data", "entry.chunks", "storage.relative_path"]
+)
+def test_metadata_objects_missing_a_field_are_exit_3_in_one_line(
+    site: Any, capsys: pytest.CaptureFixture[str], strip: str
+) -> None:
+    """Found by `make fuzz`: the allowlist unpickler rebuilds DCP's objects without their
+    constructors, so a crafted ``.metadata`` can leave a field out (an AttributeError
+    traceback, exit 1); it is the file's error, in one line."""
+    options, source, _ = site
+    metadata_file = source / ".metadata"
+    with metadata_file.open("rb") as f:
+        metadata = pickle.load(f)  # the test's own file, written by dcp.save above
+    if strip == "entry.chunks":
+        entry = next(v for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
+        object.__delattr__(entry, "chunks")
+    elif strip == "storage.relative_path":
+        object.__delattr__(next(iter(metadata.storage_data.values())), "relative_path")
+    else:
+        object.__delattr__(metadata, strip)
+    with metadata_file.open("wb") as f:
+        pickle.dump(metadata, f)
+    code, _out, err = cli(capsys, *options, "import", str(source), "crafted@1")
+    assert code == 3, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_an_index_nested_past_the_parsers_depth_is_exit_3(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by `make fuzz`: a safetensors index nested 100,000 deep was a RecursionError
+    traceback."""
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"w": torch.ones(2)}, str(folder / "model-00001-of-00001.safetensors"))
+    (folder / "model.safetensors.index.json").write_text("[" * 100_000 + "]" * 100_000)
+    db, store = tmp_path / "m.db", tmp_path / "store"
+    code, _out, err = cli(
+        capsys, "--db", str(db), "--store", str(store), "import", str(folder), "x@1"
+    )
+    assert code == 3, err
+    assert "not a safetensors index" in err
+    assert len(err.strip().splitlines()) == 1
