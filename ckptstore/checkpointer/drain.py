@@ -79,16 +79,18 @@ def drain_checkpoint(
     *,
     deadline: float | None = None,
     workers: int = 8,
+    progress: Callable[[int], None] | None = None,
 ) -> DrainReport:
     """Upload what ``info`` (a local checkpoint) needs to the store and mark it committed;
-    ``deadline`` is a ``time.monotonic()`` instant it must not run past."""
+    ``deadline`` is a ``time.monotonic()`` instant it must not run past; ``progress`` is
+    called with the stored bytes of each blob uploaded (from the upload threads)."""
     began = time.monotonic()
     work = tiering.drain_work(db, info.id)
     keys = {digest: blob_key(digest) for digest in work}
     held = store.sizes(sorted(keys.values())) if keys else {}
     todo = sorted((d for d in work if held.get(keys[d]) is None), key=lambda d: -work[d][0])
     present = len(work) - len(todo)
-    upload = _Uploader(db, store, source, info, deadline)
+    upload = _Uploader(db, store, source, info, deadline, progress)
     stopped = upload.all(todo, work, workers)
     if stopped is not None:
         return DrainReport(
@@ -123,9 +125,10 @@ class _Uploader:
         source: Source,
         info: CheckpointInfo,
         deadline: float | None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         self.db, self.store, self.source, self.info = db, store, source, info
-        self.deadline = deadline
+        self.deadline, self.progress = deadline, progress
         self.blobs = self.bytes = 0
         self._lock = threading.Lock()
 
@@ -196,6 +199,8 @@ class _Uploader:
                 with self._lock:
                     self.blobs += 1
                     self.bytes += data.nbytes
+                    if self.progress is not None:
+                        self.progress(data.nbytes)
                 return
         finally:
             if bad and self.source.forget:

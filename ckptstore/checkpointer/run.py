@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -354,7 +354,11 @@ class Run:
         return restore.Reader(self.db, self.store, self.id, self.name, self.writable)
 
     def drain(
-        self, step: int | None = None, *, deadline: float | None = None
+        self,
+        step: int | None = None,
+        *,
+        deadline: float | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> DrainReport | None:
         """Make a local-durable checkpoint remote-durable: ``step``, or the newest checkpoint if
         it is local.
@@ -364,7 +368,8 @@ class Run:
         ``time.monotonic()`` instant): send only what ends before it; the report says the
         checkpoint is still local if that was not all. None if there is nothing to drain; a
         checkpoint already remote-durable reports ``drained`` with nothing uploaded. A writer
-        then applies retention and keeps the tiers bounded."""
+        then applies retention and keeps the tiers bounded. ``progress`` is called with the
+        stored bytes of each blob uploaded (from the upload threads: a progress bar's update)."""
         if self._closed:
             raise RunStateError(f"run {self.name!r} is closed")
         tiers = self.tiers
@@ -386,7 +391,9 @@ class Run:
         if info.status != "local":
             return DrainReport(info.step, info.status == "committed", 0, 0, 0, 0.0)
         source = drain.Source(tiers.node, tiers.tier, frozenset(reachable), self.writable)
-        report = drain.drain_checkpoint(self.db, self.store, info, source, deadline=deadline)
+        report = drain.drain_checkpoint(
+            self.db, self.store, info, source, deadline=deadline, progress=progress
+        )
         if report.drained and self.writable:
             commit.apply_retention(self._writer())
             # Older local checkpoints are of no use now; the tiers drop their copies after the

@@ -97,3 +97,37 @@ def test_a_bar_is_silent_on_a_pipe_unless_forced(capsys: pytest.CaptureFixture[s
     with output.progress(3, "work", "step", enabled=True) as bar:
         bar.update(3)
     assert capsys.readouterr().err == ""
+
+
+def test_drain_shows_the_bytes_it_uploads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from ckptstore import TierConfig, open_run
+    from ckptstore.cli.main import main
+
+    db, store, tier = tmp_path / "m.db", tmp_path / "store", tmp_path / "tier"
+    with open_run(
+        "r", db=db, store=store, tiers=TierConfig(local_dir=str(tier)), async_save=False
+    ) as run:
+        run.save(1, {"w": torch.randn(1 << 16)})  # local-durable: the tiers only
+    capsys.readouterr()
+    code = main(["--db", str(db), "--store", str(store), "--progress", "drain", "r@1",
+                 "--local-dir", str(tier)])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "remote-durable" in out
+    assert "drain" in err
+    assert re.search(r"\d+(\.\d+)?[kMG]?B", err), err  # the bar counts bytes
+
+    with open_run(
+        "r", db=db, store=store, tiers=TierConfig(local_dir=str(tier)), async_save=False
+    ) as run:
+        run.save(2, {"w": torch.randn(1 << 16)})
+        seen: list[int] = []
+        report = run.drain(2, progress=seen.append)
+    assert report is not None
+    assert report.drained
+    assert seen
+    assert sum(seen) == report.uploaded_bytes

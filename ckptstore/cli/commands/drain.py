@@ -18,7 +18,7 @@ from dataclasses import asdict
 from ckptstore.cli.args import parse_target
 from ckptstore.cli.context import CliContext
 from ckptstore.cli.exits import EXIT_OK, EXIT_PROBLEMS
-from ckptstore.cli.output import emit
+from ckptstore.cli.output import emit, progress
 from ckptstore.cli.protocol import Subparsers
 from ckptstore.durations import parse_duration
 from ckptstore.errors import ConfigError
@@ -63,8 +63,11 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
 
     deadline = None if args.within is None else time.monotonic() + args.within
     tiers = TierConfig(local_dir=args.local_dir)
-    with open_run(name, db=ctx.db, store=store, writable=False, tiers=tiers) as opened:
-        report = opened.drain(step, deadline=deadline)
+    with (
+        open_run(name, db=ctx.db, store=store, writable=False, tiers=tiers) as opened,
+        progress(None, "drain", "B", not args.json) as bar,
+    ):
+        report = opened.drain(step, deadline=deadline, progress=bar.update)
     if report is None:
         emit(
             args,
