@@ -131,3 +131,19 @@ def test_drain_shows_the_bytes_it_uploads(
     assert report.drained
     assert seen
     assert sum(seen) == report.uploaded_bytes
+
+
+def test_import_names_its_storing_phase(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from ckptstore.cli.main import main
+
+    save_file({"w": torch.randn(1 << 16)}, str(tmp_path / "model.safetensors"))
+    capsys.readouterr()
+    code = main(["--db", str(tmp_path / "m.db"), "--store", str(tmp_path / "store"),
+                 "--progress", "import", str(tmp_path / "model.safetensors"), "r@1"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "import: storing" in err  # the bar's label once the source is read
+    assert "import: storing" not in out

@@ -73,7 +73,12 @@ def run(args: argparse.Namespace, ctx: CliContext) -> int:
         progress(total, "import", "B", not args.json) as bar,
     ):
         report = import_checkpoint(
-            args.source, opened, step, prefix=args.prefix, progress=bar.update
+            args.source,
+            opened,
+            step,
+            prefix=args.prefix,
+            progress=bar.update,
+            storing=lambda: bar.phase("storing"),
         )
     info = report.checkpoint
     payload = {

@@ -73,6 +73,7 @@ def import_checkpoint(
     *,
     prefix: str | None = None,
     progress: Callable[[int], None] | None = None,
+    storing: Callable[[], None] | None = None,
 ) -> ImportReport:
     """Store the checkpoint at ``source`` as ``step`` of ``run`` (a writable run) and commit it.
 
@@ -80,7 +81,8 @@ def import_checkpoint(
     directory of safetensors (``*.safetensors.index.json`` and its shards, or one file); a
     directory's config and tokenizer files go into the checkpoint too (:func:`side_files`).
     ``prefix`` puts ``prefix.`` before every safetensors name; ``progress`` is called with the
-    bytes of each item read. Raises ``ConfigError`` for a source that is neither or a step the
+    bytes of each item read, ``storing`` once they are all read and storing them begins.
+    Raises ``ConfigError`` for a source that is neither or a step the
     run already has, ``ForbiddenPickleError`` (a ``SerializationError``) for a pickle that asks
     for more than DCP's metadata, and ``SerializationError`` for any other unreadable item --
     in every case before anything is stored.
@@ -102,6 +104,8 @@ def import_checkpoint(
         from ckptstore.integrations.importing._safetensors import read_safetensors
 
         state = read_safetensors(path, prefix, progress)
+    if storing is not None:
+        storing()
     receipts = ckpt_dcp.save_shards(state, run.save_target())
     assert isinstance(receipts, list)  # a synchronous save of this one process
     info = run.save(
