@@ -36,6 +36,8 @@ def read_dcp(path: Path, progress: Progress | None = None) -> dict[str, Any]:
     metadata = load_metadata((path / ".metadata").read_bytes(), where)
     try:
         return _read_items(path, metadata, where, progress)
+    except CkptStoreError:  # the reader's own errors (some are TypeErrors too) say it better
+        raise
     except (AttributeError, TypeError) as exc:
         # The allowlist unpickler rebuilds DCP's metadata objects from what the file says,
         # without their constructors: a crafted file can leave out a field or give it the
