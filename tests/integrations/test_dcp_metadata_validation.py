@@ -34,6 +34,7 @@ from ckptstore.cas import blob_key
 from ckptstore.checkpointer import Run
 from ckptstore.errors import CkptStoreError, IntegrityError
 from ckptstore.integrations import dcp as ckpt_dcp
+from ckptstore.integrations._common.documents import json_str
 from ckptstore.serialize.reader import ComponentReader
 from ckptstore.serialize.tiling import MAX_SPLIT_AXES, check_shape, check_tiling
 
@@ -276,7 +277,7 @@ def test_the_fast_row_checks_accept_exactly_what_the_field_checks_accept() -> No
     ]:
         try:
             fqn, offset, rank, position = row
-            key = (md._str(fqn), None if offset is None else tuple(md._ints(offset)))
+            key = (json_str(fqn), None if offset is None else tuple(md._ints(offset)))
             slow = (key, md.Location(md._int(rank), md._int(position)))
         except (TypeError, ValueError) as exc:
             slow = type(exc)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptstore.errors import MalformedMetadataError, SerializationError, UnreadableError
 from ckptstore.formats import json_values
+from ckptstore.integrations._common.documents import json_list, json_str
 from ckptstore.integrations._common.names import DCP_METADATA
 
 if TYPE_CHECKING:
@@ -63,12 +64,12 @@ def _items(doc: Any, where: str) -> list[dict[str, Any]]:
     if version != DOCUMENT_VERSION:
         raise ValueError(f"version {version!r} is not one any ckptstore writes")
     ranks: dict[str, set[int]] = {}
-    for row in _list(doc["locations"]):
-        fqn, _offset, rank, _position = _list(row)
-        ranks.setdefault(_str(fqn), set()).add(_natural(rank))
+    for row in json_list(doc["locations"]):
+        fqn, _offset, rank, _position = json_list(row)
+        ranks.setdefault(json_str(fqn), set()).add(_natural(rank))
     items: list[dict[str, Any]] = [
         {"name": fqn, "kind": "value", "dtype": None, "shape": None}
-        for fqn in map(_str, _list(doc["values"]))
+        for fqn in map(json_str, json_list(doc["values"]))
     ]
     tensors = doc["tensors"]
     if not isinstance(tensors, dict):
@@ -76,21 +77,11 @@ def _items(doc: Any, where: str) -> list[dict[str, Any]]:
     for fqn, md in tensors.items():
         if not isinstance(md, dict):
             raise TypeError(f"{fqn!r}: expected an object, got {type(md).__name__}")
-        shape = [_natural(n) for n in _list(md["size"])]
-        items.append({"name": fqn, "kind": "tensor", "dtype": _str(md["dtype"]), "shape": shape})
+        shape = [_natural(n) for n in json_list(md["size"])]
+        items.append(
+            {"name": fqn, "kind": "tensor", "dtype": json_str(md["dtype"]), "shape": shape}
+        )
     return [item | {"ranks": sorted(ranks.get(item["name"], ()))} for item in items]
-
-
-def _list(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise TypeError(f"expected an array, got {type(value).__name__}")
-    return value
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {type(value).__name__}")
-    return value
 
 
 def _natural(value: Any) -> int:

@@ -33,3 +33,17 @@ def naturals(values: list[Any]) -> bool:
     C-level steps: the short way a parser takes for a well-formed row before it falls back to
     the field-by-field checks that name a fault."""
     return set(map(type, values)) <= _INT_ONLY and (not values or min(values) >= 0)
+
+
+def json_list(value: Any) -> list[Any]:
+    """``value`` if a JSON document gave an array there; else a TypeError naming what it gave."""
+    if not isinstance(value, list):
+        raise TypeError(f"expected an array, got {type(value).__name__}")
+    return value
+
+
+def json_str(value: Any) -> str:
+    """``value`` if a JSON document gave a string there; else a TypeError naming what it gave."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {type(value).__name__}")
+    return value

@@ -45,7 +45,7 @@ from ckptstore.extending import (
     torch_dtype,
     torch_dtype_name,
 )
-from ckptstore.integrations._common.documents import collector_paused, naturals
+from ckptstore.integrations._common.documents import collector_paused, json_list, json_str, naturals
 from ckptstore.integrations._common.names import DCP_METADATA
 
 FORMAT = "ckptstore/dcp-metadata"
@@ -201,11 +201,11 @@ def _decode(text: str, where: str) -> StoredMetadata:
             if fqn in state:
                 raise ValueError(f"{fqn!r} is both a tensor and a plain value")
             state[fqn] = _tensor_metadata(_dict(md), fqn, where)
-        rows = _list(doc["locations"])
+        rows = json_list(doc["locations"])
         locations = Locations(dict(map(_location, rows)))
         if len(locations) != len(rows):
             raise ValueError("an item is given two locations")
-        ranks = {_int(rank): _digest(digest) for rank, digest in _list(doc["ranks"])}
+        ranks = {_int(rank): _digest(digest) for rank, digest in json_list(doc["ranks"])}
         sm = doc.get("storage_meta")
         storage_meta = (
             None
@@ -219,7 +219,7 @@ def _decode(text: str, where: str) -> StoredMetadata:
             state_dict_metadata=state,
             planner_data=None
             if planner_data is None
-            else {_str(k): tuple(_path(v)) for k, v in _dict(planner_data).items()},
+            else {json_str(k): tuple(_path(v)) for k, v in _dict(planner_data).items()},
             storage_data=locations,
             storage_meta=storage_meta,
             version=_optional_str(doc.get("dcp_version")),
@@ -247,9 +247,9 @@ def _tensor_metadata(md: dict[str, Any], fqn: str, where: str) -> TensorStorageM
     memory_format = _MEMORY_FORMATS.get(md.get("memory_format", "contiguous"))
     if memory_format is None:
         raise ValueError(f"{fqn}: unknown memory format {md.get('memory_format')!r}")
-    dtype = torch_dtype(_str(md["dtype"]), fqn)
+    dtype = torch_dtype(json_str(md["dtype"]), fqn)
     size = _ints(md["size"])
-    boxes = list(map(_box, _list(md["chunks"])))
+    boxes = list(map(_box, json_list(md["chunks"])))
     what = f"{where}: tensor {fqn!r}"
     check_shape(size, dtype.itemsize, what)
     check_tiling(size, boxes, what)
@@ -291,7 +291,7 @@ def _location(row: Any) -> tuple[Key, Location]:
         ):
             return (fqn, None if offset is None else tuple(offset)), Location(rank, position)
     fqn, offset, rank, position = row
-    key = (_str(fqn), None if offset is None else tuple(_ints(offset)))
+    key = (json_str(fqn), None if offset is None else tuple(_ints(offset)))
     return key, Location(_int(rank), _int(position))
 
 
@@ -321,7 +321,7 @@ def _planner_data(data: Any) -> Any:
 
 
 def _path(value: Any) -> list[str | int]:
-    keys = _list(value)
+    keys = json_list(value)
     if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in keys):
         raise ValueError("a planner key path holds str and int keys")
     return keys
@@ -333,31 +333,19 @@ def _dict(value: Any) -> dict[str, Any]:
     return value
 
 
-def _list(value: Any) -> list[Any]:
-    if not isinstance(value, list):
-        raise TypeError(f"expected an array, got {type(value).__name__}")
-    return value
-
-
-def _str(value: Any) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"expected a string, got {type(value).__name__}")
-    return value
-
-
 def _digest(value: Any) -> str:
     try:
-        return check_digest(_str(value))
+        return check_digest(json_str(value))
     except CkptStoreError as exc:  # malformed text, not a damaged blob
         raise ValueError(str(exc)) from None
 
 
 def _optional_str(value: Any) -> str | None:
-    return None if value is None else _str(value)
+    return None if value is None else json_str(value)
 
 
 def _strs(value: Any) -> list[str]:
-    return [_str(v) for v in _list(value)]
+    return [json_str(v) for v in json_list(value)]
 
 
 def _int(value: Any) -> int:
@@ -367,7 +355,7 @@ def _int(value: Any) -> int:
 
 
 def _ints(value: Any) -> list[int]:
-    return [_int(v) for v in _list(value)]
+    return [_int(v) for v in json_list(value)]
 
 
 def rank_component(rank: int) -> str:
