@@ -18,13 +18,15 @@ files **evicted** (every file of the contender's checkpoint dropped from the pag
 ``posix_fadvise(DONTNEED)`` before the timed call; the files were fsynced, so the pages are
 clean and really go).
 
-- ``ckptstore Run.load(into=)``: the same load into a state dict of empty tensors of the right
-  shapes, as ``dcp.load`` gets (issue 26: filled in place, no second copy).
+- ``ckptstore Run.load(into=, atomic=False)``: the same load into a state dict of empty tensors
+  of the right shapes, as ``dcp.load`` gets, streamed (issue 26: filled in place, no second
+  copy); and ``Run.load(into=)`` as a user calls it, atomic (issue 40: no tensor written until
+  every blob has verified, so the load holds the bytes and copies them in at the end).
 
-- ``ckptstore Run.load(into=)`` into tensors whose every page is resident already (those a
-  previous load filled, as a model's state dict is), page cache hot: issue 26's "hot load",
-  a resume into the model's own tensors. The loads into empty tensors above also pay the
-  kernel's first touch (a fault and a zeroed page) of every destination page.
+- ``ckptstore Run.load(into=, atomic=False)`` into tensors whose every page is resident
+  already (those a previous load filled, as a model's state dict is), page cache hot: issue
+  26's "hot load", a resume into the model's own tensors. The loads into empty tensors above
+  also pay the kernel's first touch (a fault and a zeroed page) of every destination page.
 
 Goals (issue 13): hot <= 1.0x the faster mmap loader, evicted <= 1.0x dcp.load; (issue 26) the
 load into existing tensors evicted <= 1.0x dcp.load and <= 1.2x the read+hash floor, hot <=
@@ -88,7 +90,8 @@ from ckptstore.serialize.compare import first_difference  # noqa: E402
 
 GiB = 1 << 30
 OURS = "ckptstore Run.load (verified)"
-INTO = "ckptstore Run.load(into=) (verified)"
+INTO = "ckptstore Run.load(into=, atomic=False) (verified)"
+ATOMIC = "ckptstore Run.load(into=) atomic (verified)"
 DCP = "dcp.load (FileSystemReader)"
 TORCH_MMAP = "torch.load(mmap) + read all"
 ST_MMAP = "safetensors load_file + read all"
@@ -96,7 +99,7 @@ MMAP_LOADERS = (TORCH_MMAP, ST_MMAP)
 FLOOR = "BLAKE3 of every byte in memory"
 TOUCH_FLOOR = "first touch of empty tensors + BLAKE3"
 READ_FLOOR = "read + BLAKE3 of every blob file"
-RESIDENT = "Run.load(into=) resident tensors"
+RESIDENT = "Run.load(into=, atomic=False) resident tensors"
 #: Issue 26: a load into existing tensors grows the process's resident memory by this at most.
 PEAK_GOAL_MIB = 256
 
@@ -220,6 +223,7 @@ class Contenders:
         self.dirs = {
             OURS: where / "store",
             INTO: where / "store",
+            ATOMIC: where / "store",
             DCP: where / "dcp",
             TORCH_MMAP: where / "pt",
             ST_MMAP: where / "st",
@@ -229,6 +233,9 @@ class Contenders:
         if name == OURS:
             return lambda: self.run.load().state
         if name == INTO:
+            into = empty_like(self.state)
+            return lambda: self.run.load(into=into, atomic=False).state
+        if name == ATOMIC:
             into = empty_like(self.state)
             return lambda: self.run.load(into=into).state
         if name == DCP:
@@ -279,9 +286,9 @@ class Contenders:
         peak resident memory (MiB above before) is returned."""
         self.evict_others(INTO)
         filled = self.load(INTO)()
-        timed("warm", hot, lambda: self.run.load(into=filled))
+        timed("warm", hot, lambda: self.run.load(into=filled, atomic=False))
         evict(self.dirs[INTO])
-        return load_peak_mib(lambda: self.run.load(into=filled))
+        return load_peak_mib(lambda: self.run.load(into=filled, atomic=False))
 
     def close(self) -> None:
         self.run.close()
@@ -304,7 +311,7 @@ def main() -> None:
         f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
     print(f"state: {size / GiB:.2f} GiB fp32 (weights + AdamW moments); reps {args.reps}; medians")
-    names = [OURS, INTO, DCP, TORCH_MMAP, ST_MMAP]
+    names = [OURS, INTO, ATOMIC, DCP, TORCH_MMAP, ST_MMAP]
     rows = {(cache, n): Row(f"load {cache}", n) for cache in ("hot", "evicted") for n in names}
     floor = Row("floor", FLOOR)
     touch_floor = Row("floor", TOUCH_FLOOR)
@@ -315,7 +322,7 @@ def main() -> None:
     try:
         for name in names:  # untimed first call each: imports, first-use set-up
             contenders.load(name)()
-        for name in (OURS, INTO):
+        for name in (OURS, INTO, ATOMIC):
             loaded = contenders.load(name)()
             for part in state:
                 if (difference := first_difference(state[part], loaded[part])) is not None:

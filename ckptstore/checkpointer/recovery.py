@@ -57,18 +57,21 @@ def load_nearest(
     paths: Mapping[str, Iterable[str]] | None = None,
     fallback: bool = True,
     into: Mapping[str, Any] | None = None,
+    atomic: bool = True,
 ) -> LoadedCheckpoint:
-    """``step`` (local or committed), or the newest recoverable checkpoint that verifies."""
+    """``step`` (local or committed), or the newest recoverable checkpoint that verifies;
+    ``into`` and ``atomic`` as for :func:`ckptstore.checkpointer.restore.load`."""
     wanted = set(components) if components is not None else None
     reachable = tiers.reachable(reader.db)
     skipped: list[tuple[int, str]] = []
     before: int | None = None
-    overwritten = Overwritten(into, wanted, paths)
+    overwritten = Overwritten(into, wanted, paths, atomic=atomic)
     while True:
         info = _choose(reader, reachable, step, before, skipped)
         nearest = tiers.nearest(tiering.copies_of(reader.db, info.id), reachable, reader.store)
         try:
-            state = readable_state(replace(reader, store=nearest), info, wanted, paths, into)
+            near = replace(reader, store=nearest)
+            state = readable_state(near, info, wanted, paths, into, atomic=atomic)
         except IntegrityError as exc:
             if step is not None or not fallback:
                 raise

@@ -81,16 +81,19 @@ def load(
     paths: Mapping[str, Iterable[str]] | None = None,
     fallback: bool = True,
     into: Mapping[str, Any] | None = None,
+    atomic: bool = True,
 ) -> LoadedCheckpoint:
     """``step`` (exactly), or the newest committed checkpoint that verifies (see module);
-    ``into``: component name -> a state whose tensors are loaded in place."""
+    ``into``: component name -> a state whose tensors are loaded into (``atomic``: once
+    every blob of a checkpoint has verified; else in place as the blobs arrive)."""
     wanted = set(components) if components is not None else None
     if step is not None:
         info = reads.committed_at(reader.db, reader.key, check_step(step))
-        return LoadedCheckpoint(info, readable_state(reader, info, wanted, paths, into))
+        state = readable_state(reader, info, wanted, paths, into, atomic=atomic)
+        return LoadedCheckpoint(info, state)
     skipped: list[tuple[int, str]] = []
     before: int | None = None
-    overwritten = Overwritten(into, wanted, paths)
+    overwritten = Overwritten(into, wanted, paths, atomic=atomic)
     while True:
         found = reads.newest_committed(reader.db, reader.key, before_step=before)
         if found is None:
@@ -99,7 +102,7 @@ def load(
                 f"run {reader.name!r} has no committed checkpoint to load{detail}"
             )
         try:
-            state = readable_state(reader, found, wanted, paths, into)
+            state = readable_state(reader, found, wanted, paths, into, atomic=atomic)
         except IntegrityError as exc:
             if not fallback:
                 raise
@@ -116,17 +119,21 @@ def load(
 
 class Overwritten:
     """The tensors of a load's ``into`` that an attempt which failed verification may have
-    written (a blob's bytes land in its target as they arrive; its digest is checked at its
-    end): the checkpoint a fallback loads must write each of them again, or the load fails
-    rather than hand back a target holding bytes that did not verify."""
+    written, when the load is not atomic (a blob's bytes land in its target as they arrive;
+    its digest is checked at its end): the checkpoint a fallback loads must write each of
+    them again, or the load fails rather than hand back a target holding bytes that did not
+    verify. An atomic load writes no target of an attempt that fails: nothing to track."""
 
     def __init__(
         self,
         into: Mapping[str, Any] | None,
         wanted: set[str] | None,
         paths: Mapping[str, Iterable[str]] | None,
+        *,
+        atomic: bool = True,
     ) -> None:
-        self._into, self._wanted, self._paths = into or {}, wanted, paths
+        self._into = {} if atomic else dict(into or {})
+        self._wanted, self._paths = wanted, paths
         #: (component, entry path) -> the step whose failed load may have written it.
         self.written: dict[tuple[str, str], int] = {}
 
@@ -175,11 +182,13 @@ def readable_state(
     wanted: set[str] | None,
     paths: Mapping[str, Iterable[str]] | None,
     into: Mapping[str, Any] | None = None,
+    *,
+    atomic: bool = True,
 ) -> dict[str, Any]:
     """:func:`load_state`, with what cannot be read here said to change nothing (what every
     load calls, from the store or through the tiers)."""
     try:
-        return load_state(reader, info, wanted, paths, into)
+        return load_state(reader, info, wanted, paths, into, atomic=atomic)
     except UnreadableError as exc:
         unreadable = UnreadableError(
             f"run {reader.name!r} step {info.step} cannot be read by this process: {exc}. It "
@@ -196,9 +205,13 @@ def load_state(
     wanted: set[str] | None,
     paths: Mapping[str, Iterable[str]] | None,
     into: Mapping[str, Any] | None = None,
+    *,
+    atomic: bool = True,
 ) -> dict[str, Any]:
     """The components of ``info`` (all, ``wanted``, or ``paths`` of some), verified; the
-    tensors of ``into[component]`` are loaded in place (see ``ComponentReader.load``)."""
+    tensors of ``into[component]`` are loaded into (see ``ComponentReader.load``): all
+    components' plans are one load, so an atomic one writes no target until every blob of
+    every component has verified."""
     comps: Sequence[ComponentInfo] = info.components
     names = {c.name for c in comps}
     for name in [*(wanted or ()), *(paths or {}), *(into or {})]:
@@ -220,9 +233,9 @@ def load_state(
         )
         target = (into or {}).get(comp.name)
         if paths is not None and comp.name in paths:
-            plans[comp.name] = component.plan(paths[comp.name], into=target)
+            plans[comp.name] = component.plan(paths[comp.name], into=target, atomic=atomic)
         elif paths is None or wanted is not None:
-            plans[comp.name] = component.plan(into=target)
+            plans[comp.name] = component.plan(into=target, atomic=atomic)
     # Every component's blobs as one load: no pause between one component and the next.
     return dict(zip(plans, load_components(reader.store, list(plans.values())), strict=True))
 

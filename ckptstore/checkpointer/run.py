@@ -314,6 +314,7 @@ class Run:
         paths: Mapping[str, Iterable[str]] | None = None,
         fallback: bool = True,
         into: Mapping[str, Any] | None = None,
+        atomic: bool = True,
     ) -> restore.LoadedCheckpoint:
         """Load a committed checkpoint: ``step``, or the newest one.
 
@@ -325,16 +326,21 @@ class Run:
         nothing. Bytes this process cannot read (``UnreadableError``) are never a reason to
         skip a checkpoint: that error is raised.
 
-        ``into`` loads in place, as ``dcp.load`` does: it maps a component name to a state of
-        the structure that was saved (``{"policy": model.state_dict(), "optimizer":
-        optim.state_dict()}``), and every tensor of it whose path matches an entry is filled
-        with the stored bytes -- a dense CPU tensor straight from the store as each blob is
-        read and verified, any other (a GPU or strided tensor) by one copy at the end -- and
-        appears in the result as that same tensor. Nothing else is allocated for them and no
-        second pass over the memory is needed. A tensor whose dtype or shape differs from the
-        stored one is a ``ConfigError`` before anything is read. A checkpoint that fails
-        verification may leave unverified bytes in them until the fallback's older checkpoint
-        is loaded over them; if none verifies, their contents are undefined.
+        ``into`` loads into the caller's tensors, as ``dcp.load`` does: it maps a component
+        name to a state of the structure that was saved (``{"policy": model.state_dict(),
+        "optimizer": optim.state_dict()}``), and every tensor of it whose path matches an
+        entry is filled with the stored bytes and appears in the result as that same tensor.
+        A tensor whose dtype or shape differs from the stored one is a ``ConfigError`` before
+        anything is read. ``atomic`` (the default): the tensors are written only once every
+        blob of the checkpoint has verified -- either all are filled from verified bytes or
+        none is touched (a fallback's older checkpoint is loaded the same way); the load holds
+        the bytes until then (memory as a load without ``into``). ``atomic=False``: a dense
+        CPU tensor is filled straight from the store as each blob is read and verified, any
+        other (a GPU or strided tensor) by one copy at the end: no memory besides the
+        tensors, no second pass; but a checkpoint that fails verification may leave
+        unverified bytes in them until the fallback's older checkpoint is loaded over them
+        (a fallback that lacks one of them fails, naming it), and if none verifies their
+        contents are undefined.
         """
         if self.tiers is not None:
             return recovery.load_nearest(
@@ -345,9 +351,16 @@ class Run:
                 paths=paths,
                 fallback=fallback,
                 into=into,
+                atomic=atomic,
             )
         return restore.load(
-            self._reader(), step, components=components, paths=paths, fallback=fallback, into=into
+            self._reader(),
+            step,
+            components=components,
+            paths=paths,
+            fallback=fallback,
+            into=into,
+            atomic=atomic,
         )
 
     def _reader(self) -> restore.Reader:

@@ -61,17 +61,22 @@ class _Target:
 
 
 class _Assembler:
-    """Collects entry buffers while blobs arrive; an entry with a target tensor (``into``)
-    is read straight into it when the tensor's memory allows (a contiguous CPU tensor), else
-    into a buffer copied into it at the end."""
+    """Collects entry buffers while blobs arrive. An entry with a target tensor (``into``) is
+    read into a buffer of the load's own and copied into the tensor once every blob of the
+    load has verified (``atomic``: all or nothing); or, not ``atomic``, straight into the
+    tensor as its blob arrives when the tensor's memory allows (a contiguous CPU tensor:
+    ``in_place``), the others copied into at the end."""
 
-    def __init__(self, entries: list[Entry], targets: dict[int, torch.Tensor]) -> None:
+    def __init__(
+        self, entries: list[Entry], targets: dict[int, torch.Tensor], *, atomic: bool = True
+    ) -> None:
         self.entries = entries
         self.buffers: list[Any] = [None] * len(entries)
         self.targets = targets
-        for n, target in targets.items():
-            if _direct(target):
-                self.buffers[n] = _bytes_of(target)
+        #: The entries whose target tensor's own memory the blobs are read into.
+        self.in_place = set() if atomic else {n for n, t in targets.items() if _direct(t)}
+        for n in self.in_place:
+            self.buffers[n] = _bytes_of(targets[n])
         self._lock = threading.Lock()
 
     def destination(self, t: _Target, where: str) -> memoryview:
@@ -95,7 +100,7 @@ class _Assembler:
         for t in targets:
             entry = self.entries[t.entry]
             whole = t.offset == 0 and t.length == raw.nbytes == entry.nbytes
-            mine = t.entry not in self.targets  # a caller's tensor is filled, never replaced
+            mine = t.entry not in self.in_place  # a caller's memory is filled, never replaced
             if whole and mine and not raw.readonly and not handed_over:
                 # The blob's buffer becomes the tensor's memory: no copy. Only once, so two
                 # equal tensors never share memory.
@@ -207,7 +212,8 @@ class EntryLoad:
 
     ``into`` maps entry paths to existing tensors of the stored dtype and shape (see
     :func:`load_entries`); one that does not match is a ``ConfigError`` here, before anything
-    is read."""
+    is read. ``atomic`` (the default): they are written only once every blob of the load has
+    verified; else as each blob arrives (see :func:`load_entries`)."""
 
     def __init__(
         self,
@@ -217,12 +223,14 @@ class EntryLoad:
         *,
         context: str = "",
         into: Mapping[str, torch.Tensor] | None = None,
+        atomic: bool = True,
     ) -> None:
         self.store, self.context = store, context
         self.wanted = sorted(set(entries))
         self.chosen = [index.entries[i] for i in self.wanted]
         self.where = f"component {context}" if context else "component"
-        self.assembler = _Assembler(self.chosen, _targets(self.chosen, into, self.where))
+        targets = _targets(self.chosen, into, self.where)
+        self.assembler = _Assembler(self.chosen, targets, atomic=atomic)
         self.by_blob: dict[str, list[_Target]] = {}
         for n, entry in enumerate(self.chosen):
             dest = 0
@@ -315,14 +323,18 @@ def load_entries(
     context: str = "",
     max_workers: int = 0,
     into: Mapping[str, torch.Tensor] | None = None,
+    atomic: bool = True,
 ) -> dict[int, Any]:
     """Load the given entries (by position in ``index.entries``); returns position -> value.
 
     ``into`` maps entry paths to existing tensors of the stored dtype and shape: those entries
-    are loaded into them (a dense CPU tensor is written in place as its blobs arrive, any
-    other is copied into at the end) and their values are those same tensors. If this raises,
-    such tensors may hold unverified bytes."""
-    load = EntryLoad(store, index, entries, context=context, into=into)
+    are loaded into them and their values are those same tensors. ``atomic`` (the default):
+    each is copied into once every blob has verified, so if this raises none was touched (the
+    load holds the bytes meanwhile: memory for the entries, as without ``into``). Not
+    ``atomic``: a dense CPU tensor is written in place as its blobs arrive (no memory besides
+    it), any other copied into at the end; if this raises, such tensors may hold unverified
+    bytes."""
+    load = EntryLoad(store, index, entries, context=context, into=into, atomic=atomic)
     fetch_all(store, [load], max_workers=max_workers)
     return load.results()
 
@@ -332,7 +344,7 @@ def _result(assembler: _Assembler, n: int, entry: Entry, where: str) -> Any:
     target = assembler.targets.get(n)
     if target is None:
         return _materialize(entry, assembler.buffers[n], where)
-    if not _direct(target):
+    if n not in assembler.in_place:
         with torch.no_grad():
             target.copy_(_materialize(entry, assembler.buffers[n], where))
     return target

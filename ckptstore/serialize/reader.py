@@ -107,15 +107,20 @@ class ComponentReader:
         except KeyError:
             raise KeyError(f"no entry {path!r} in this component") from None
 
-    def plan(self, paths: Iterable[str] | None = None, *, into: Any = None) -> PlannedLoad:
+    def plan(
+        self, paths: Iterable[str] | None = None, *, into: Any = None, atomic: bool = True
+    ) -> PlannedLoad:
         """The load of the whole component (``paths`` None: its value is what :meth:`load`
         returns) or of ``paths`` (as :meth:`load_paths`), planned, nothing fetched yet:
-        :func:`load_components` fetches several components' plans as one load. ``into`` as
-        for :meth:`load`; a tensor of it that does not match is a ``ConfigError`` here."""
+        :func:`load_components` fetches several components' plans as one load. ``into`` and
+        ``atomic`` as for :meth:`load`; a tensor of ``into`` that does not match is a
+        ``ConfigError`` here."""
         targets = tensor_paths(into) if into is not None else None
         whole = paths is None
         positions = range(len(self.entries)) if paths is None else self.index.select(paths)
-        load = EntryLoad(self.store, self.index, positions, context=self.context, into=targets)
+        load = EntryLoad(
+            self.store, self.index, positions, context=self.context, into=targets, atomic=atomic
+        )
 
         def finish(values: dict[int, Any]) -> Any:
             if whole:
@@ -144,15 +149,20 @@ class ComponentReader:
         loaded = self.load_entries(positions, max_workers=max_workers, into=into)
         return [loaded[i] for i in positions]
 
-    def load(self, *, max_workers: int = 0, into: Any = None) -> Any:
+    def load(self, *, max_workers: int = 0, into: Any = None, atomic: bool = True) -> Any:
         """The whole component, rebuilt into its original structure.
 
         ``into``: a state of the same structure (e.g. the ``model.state_dict()`` that was
-        saved): each of its tensors whose path matches an entry is loaded in place -- no new
-        memory, no second copy -- and the result holds that same tensor. A matching tensor of
-        another dtype or shape is a ``ConfigError`` before anything is read.
+        saved): each of its tensors whose path matches an entry is filled with the stored
+        bytes and the result holds that same tensor. A matching tensor of another dtype or
+        shape is a ``ConfigError`` before anything is read. ``atomic`` (the default): the
+        tensors are written once every blob has verified (all or nothing; the load holds the
+        bytes until then); ``atomic=False``: a dense CPU tensor is written in place as its
+        blobs arrive -- no new memory, no second copy -- and may hold unverified bytes if the
+        load fails.
         """
-        return load_components(self.store, [self.plan(into=into)], max_workers=max_workers)[0]
+        plan = self.plan(into=into, atomic=atomic)
+        return load_components(self.store, [plan], max_workers=max_workers)[0]
 
     def load_paths(
         self, paths: Iterable[str], *, max_workers: int = 0, into: Any = None

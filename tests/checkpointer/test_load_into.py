@@ -166,8 +166,9 @@ def _index_bytes(store: LocalStore, digest: str) -> bytes:
 
 
 def test_loading_into_existing_tensors_allocates_no_second_copy(tmp_path: Path) -> None:
-    """A 256 MiB state loaded into tensors that exist already: the process's peak memory grows
-    by far less than the state (a load into new tensors grows it by the state's size)."""
+    """A 256 MiB state streamed into tensors that exist already (``atomic=False``): the
+    process's peak memory grows by far less than the state (a load into new tensors grows it
+    by the state's size)."""
     child = textwrap.dedent(
         """
         import json, resource, sys, torch
@@ -184,8 +185,8 @@ def test_loading_into_existing_tensors_allocates_no_second_copy(tmp_path: Path) 
                 with open("/proc/self/statm") as f:
                     return int(f.read().split()[1]) * resource.getpagesize() // 1024
             peak, now = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, rss_kib()
-            if mode == "into":
-                run.load(into=targets)
+            if mode in ("into", "atomic"):
+                run.load(into=targets, atomic=mode == "atomic")
                 growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
             else:
                 loaded = run.load().state
@@ -213,6 +214,9 @@ def test_loading_into_existing_tensors_allocates_no_second_copy(tmp_path: Path) 
     run("save")
     assert run("into") < 64  # peak growth; issue 26's goal: +256 MiB at most for 3 GiB
     assert run("copy") > 200  # the old way holds new tensors of the state's size
+    # The atomic default holds the verified bytes until every blob is in: the state's size,
+    # as a load without into=, and no more.
+    assert run("atomic") < 256 + 64
 
 
 @pytest.mark.parametrize(

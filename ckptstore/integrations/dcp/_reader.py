@@ -3,9 +3,10 @@ tensors (see :mod:`ckptstore.integrations.dcp`)."""
 
 from __future__ import annotations
 
+import functools
 import io
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,7 +67,17 @@ class CkptStoreReader(StorageReader):
 
     Every blob is verified as it arrives; each rank fetches only the blobs holding the boxes it
     reads, each once. Non-tensor values are handed only to a :class:`NoPickleLoadPlanner`.
+
+    ``atomic`` (the default, an attribute any constructor's reader has): the planner's
+    tensors and values are written only once every blob of this rank's plan has verified, so
+    a load that fails leaves the state dict as it was (the verified bytes are held until
+    then: memory for the rank's share). ``reader.atomic = False`` writes each box as its blob
+    verifies (memory of the blobs in flight only); a failed load may then leave some
+    targets filled and others not.
     """
+
+    #: Write the targets only once every blob has verified (see the class docstring).
+    atomic: bool = True
 
     def __init__(
         self,
@@ -201,6 +212,9 @@ class CkptStoreReader(StorageReader):
         stored item, fetching each needed blob once and only the chunks a box touches."""
         stored = self.stored_metadata()
         groups: dict[Location, list[ReadItem]] = {}
+        # Atomic: every write (a plain value, a tensor box) waits here until all have verified.
+        writes: list[Callable[[], None]] = []
+        defer = writes.append if self.atomic else _now
         for item in plan.items:
             location = stored.metadata.storage_data.get(item.storage_index)
             if location is None:
@@ -222,7 +236,8 @@ class CkptStoreReader(StorageReader):
             where = _with_context(reader.context, f"entry {entry.path}")
             if not entry.is_array:
                 for item in items:
-                    planner.load_bytes(item, io.BytesIO(_stored_text(entry, item, where)))
+                    text = _stored_text(entry, item, where)
+                    defer(functools.partial(planner.load_bytes, item, io.BytesIO(text)))
                 continue
             boxes = [(item, *_check_box(entry, item, where)) for item in items]
             cache.need(reader, entry, [(lo, hi) for _, lo, hi in boxes])
@@ -230,8 +245,11 @@ class CkptStoreReader(StorageReader):
         if tasks:
             workers = min(self.max_workers, len(tasks))
             with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dcp-read") as pool:
-                for done in [pool.submit(self._read_boxes, *t, planner, cache) for t in tasks]:
+                jobs = [pool.submit(self._read_boxes, *t, planner, cache, defer) for t in tasks]
+                for done in jobs:
                     done.result()
+        for write in writes:
+            write()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -244,8 +262,10 @@ class CkptStoreReader(StorageReader):
         boxes: list[tuple[ReadItem, int, int]],
         planner: LoadPlanner,
         cache: BlobCache,
+        defer: Callable[[Callable[[], None]], None],
     ) -> None:
-        """Copy each box of one stored tensor into its target."""
+        """Read each box of one stored tensor (verified) and copy it into its target, or hand
+        the copy to ``defer`` (an atomic load's writes wait for every blob)."""
         dtype = torch_dtype(entry.dtype, where)
         strides = _contiguous_strides(entry.shape)
         for item, lo, hi in boxes:
@@ -256,10 +276,11 @@ class CkptStoreReader(StorageReader):
                     f"{where}: the target of {item.dest_index.fqn!r} has shape "
                     f"{tuple(target.shape)}, the stored box {lengths}"
                 )
+            source = None
             if hi > lo:
                 span = torch.frombuffer(cache.read(reader, entry, lo, hi), dtype=torch.uint8)
-                target.copy_(torch.as_strided(span.view(dtype), lengths, strides))
-            planner.commit_tensor(item, target)
+                source = torch.as_strided(span.view(dtype), lengths, strides)
+            defer(functools.partial(_write_box, planner, item, target, source))
 
     def _rank_reader(self, stored: StoredMetadata, rank: int) -> ComponentReader:
         with self._lock:
@@ -281,6 +302,20 @@ class CkptStoreReader(StorageReader):
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
         """Never picked automatically by DCP: pass the reader explicitly."""
         return False
+
+
+def _now(write: Callable[[], None]) -> None:
+    """A write that need not wait (a load that is not atomic)."""
+    write()
+
+
+def _write_box(
+    planner: LoadPlanner, item: ReadItem, target: torch.Tensor, source: torch.Tensor | None
+) -> None:
+    """Copy one verified box into its target and hand it to the planner."""
+    if source is not None:
+        target.copy_(source)
+    planner.commit_tensor(item, target)
 
 
 def _stored_text(entry: Entry, item: ReadItem, where: str) -> bytes:
