@@ -366,6 +366,17 @@ def apply_retention(writer: Writer) -> None:
         log.info("retention marked %d checkpoint(s) of %r deleted", len(doomed), writer.name)
 
 
+def release(writer: Writer, step: int) -> bool:
+    """Mark the committed checkpoint at ``step`` deleted: retention with the owner's choice
+    (under the run lock, with the epoch check). False if none was committed at ``step``."""
+    doomed = tx.apply_retention(
+        writer.db, writer.run_id, writer.epoch, lambda rows: {r.id for r in rows if r.step == step}
+    )
+    if doomed:
+        log.info("released the checkpoint of %r at step %d", writer.name, step)
+    return bool(doomed)
+
+
 def repair(writer: Writer, revived: list[str]) -> None:
     """This save stored good bytes for blobs that were condemned: corrupt checkpoints that
     reference them may verify again (checkpointer/repair.py)."""

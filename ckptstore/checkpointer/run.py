@@ -249,6 +249,11 @@ class Run:
         settled = self._queue.settle()
         return None if settled is None else settled._outcome()
 
+    def release(self, step: int) -> bool:
+        """Mark the committed checkpoint at ``step`` deleted, as retention does (GC reclaims
+        its unshared blobs): for frameworks that choose what to keep (Lightning's top-k)."""
+        return commit.release(self._writer(), check_step(step))
+
     # -- reading ----------------------------------------------------------------------------
 
     @property
