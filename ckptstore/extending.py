@@ -17,7 +17,9 @@ from :mod:`ckptstore.errors` or from the package's top level -- never from the l
   checked).
 - **Read**: a :class:`ComponentReader` per stored component (its index, any entries, a
   subtree), and a :class:`BlobCache` that a batch of byte-range reads shares (each blob fetched
-  and verified once). :class:`Entry` is what an index lists; :func:`torch_dtype` /
+  and verified once, or decoded and verified from bytes another rank sent); :func:`blob_ends`
+  names the blobs a byte span of an entry touches and :func:`blob_key` a blob's object key.
+  :class:`Entry` is what an index lists; :func:`torch_dtype` /
   :func:`torch_dtype_name` translate its dtype names, :data:`MAX_DIMS` bounds its shapes and
   :func:`check_digest` checks a digest read from a document; :func:`check_step` a step, and
   :func:`parse_step_id` reads one from a framework's checkpoint id (``30``, ``".../step-30"``);
@@ -43,7 +45,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptstore.cas.blobs import BlobRef, MissingBlobError
-from ckptstore.cas.digest import check_digest
+from ckptstore.cas.digest import blob_key, check_digest
 from ckptstore.cas.header import Kind
 from ckptstore.cas.writer import WriterOptions
 from ckptstore.checkpointer.open import config_fingerprint, identity_changes
@@ -66,7 +68,7 @@ from ckptstore.serialize.disjoint import check_targets
 from ckptstore.serialize.dtypes import torch_dtype, torch_dtype_name
 from ckptstore.serialize.index import MAX_DIMS, Entry
 from ckptstore.serialize.pieces import Piece, SourceTensor
-from ckptstore.serialize.reader import BlobCache, ComponentReader
+from ckptstore.serialize.reader import BlobCache, ComponentReader, blob_ends
 from ckptstore.serialize.save import ComponentResult, flatten_state
 from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.settings import default_db, default_store
@@ -79,6 +81,8 @@ __all__ = [
     "MAX_DIMS",
     "WRONG_METADATA",
     "BlobCache",
+    "blob_ends",
+    "blob_key",
     "CheckpointInfo",
     "ComponentInfo",
     "ComponentReader",

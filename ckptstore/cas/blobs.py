@@ -305,6 +305,22 @@ def get_blob(
                 raise
 
 
+def decode_held(
+    store: ObjectStore,
+    digest: str,
+    data: memoryview,
+    *,
+    context: str = "",
+    max_raw_len: int = MAX_RAW_LEN,
+) -> tuple[Header, memoryview]:
+    """Decode and verify the stored object of ``digest`` in ``store`` from ``data``, bytes of
+    it already in hand (another rank read and sent them), with the errors :func:`get_blob`
+    raises for it."""
+    where = _where(store, digest, f"{context}, sent by another rank" if context else "")
+    with _blob_errors(digest, where):
+        return decode_object(data, digest, where, max_raw_len=max_raw_len)
+
+
 def next_copy(store: ObjectStore, digest: str, error: IntegrityError) -> bool:
     """Whether ``store`` has another copy of ``digest`` to read after the one that just failed
     with ``error`` (a store of several copies, :class:`Copies`, skips the bad one)."""

@@ -121,6 +121,7 @@ class S3Store(MultipartUploads, ObjectStore):
     write_bandwidth_hint = 1.5e8
     read_concurrency = 16
     probe_new_blobs = False  # a HEAD per new blob; put() never overwrites by itself
+    remote = True  # a service every node reads over the network
 
     def __init__(
         self,

@@ -147,6 +147,10 @@ class ObjectStore(abc.ABC):
     #: blobs (a run's, from its manifest) then sends each new one straight away, and the rare
     #: blob already stored (left by a failed save) is refused and reported as not uploaded.
     probe_new_blobs: bool = True
+    #: Whether reads cross a network to a service that every node shares (S3, GCS, Azure),
+    #: not this machine's own disk: a load by many ranks then reads each blob they share once
+    #: and passes it on (``ckptstore.integrations.dcp``'s read-once), sparing the service.
+    remote: bool = False
 
     @property
     @abc.abstractmethod

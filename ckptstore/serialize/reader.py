@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from ckptstore.cas.blobs import get_blob
+from ckptstore.cas.blobs import decode_held, get_blob
 from ckptstore.errors import IntegrityError, SerializationError
 from ckptstore.objectstore.base import ObjectStore
 from ckptstore.serialize.assemble import (
@@ -210,11 +210,14 @@ class BlobCache:
     Announce every read first (:meth:`need`), then :meth:`read` each span: a blob is fetched
     (and verified) once, by whichever read asks first, and dropped when the last read that
     announced it has taken its bytes. The readers may belong to different components of one
-    store (a blob two components share is fetched once).
+    store (a blob two components share is fetched once). ``objects`` maps digests to stored
+    objects already in hand (e.g. sent by another rank): those are decoded and verified from
+    there, as if read from the store, and not fetched.
     """
 
-    def __init__(self, store: ObjectStore) -> None:
+    def __init__(self, store: ObjectStore, objects: dict[str, memoryview] | None = None) -> None:
         self.store = store
+        self._objects = objects or {}
         self._lock = threading.Lock()
         self._refs: dict[str, int] = {}
         self._bounds: dict[str, int] = {}
@@ -271,7 +274,11 @@ class BlobCache:
         if owner:
             try:
                 bound = self._bounds.get(digest, needed)
-                _, raw = get_blob(self.store, digest, context=where, max_raw_len=bound)
+                held = self._objects.pop(digest, None)
+                if held is not None:
+                    _, raw = decode_held(self.store, digest, held, context=where, max_raw_len=bound)
+                else:
+                    _, raw = get_blob(self.store, digest, context=where, max_raw_len=bound)
                 if raw.nbytes < needed:
                     raise IntegrityError(
                         f"{where}: entry {entry.path!r} points past the end of blob {digest}"
@@ -287,6 +294,12 @@ class BlobCache:
             self._refs[digest] = self._refs.get(digest, 1) - 1
             if self._refs[digest] <= 0:
                 self._blobs.pop(digest, None)
+
+
+def blob_ends(entry: Entry, lo: int, hi: int) -> list[tuple[str, int]]:
+    """(digest, the byte of the blob the span reaches) for each blob that bytes ``[lo, hi)``
+    of ``entry`` touch."""
+    return [(seg.digest, seg.offset + b - pos) for seg, _, b, pos in _pieces(entry, lo, hi)]
 
 
 def _pieces(entry: Entry, lo: int, hi: int) -> list[tuple[Segment, int, int, int]]:

@@ -355,6 +355,7 @@ def _read(
     planner: LoadPlanner,
     process_group: dist.ProcessGroup | None,
 ) -> None:
+    reader.process_group = process_group  # where read-once sends the blobs ranks share
     try:
         with single_process_ok():
             dcp_load(

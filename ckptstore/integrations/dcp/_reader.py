@@ -3,6 +3,7 @@ tensors (see :mod:`ckptstore.integrations.dcp`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import threading
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
@@ -37,10 +39,11 @@ from ckptstore.extending import (
     Piece,
     Run,
     SourceTensor,
+    blob_ends,
     open_store,
     torch_dtype,
 )
-from ckptstore.integrations.dcp import _plan
+from ckptstore.integrations.dcp import _plan, _share
 from ckptstore.integrations.dcp._metadata import (
     METADATA_COMPONENT,
     METADATA_FORMAT,
@@ -78,6 +81,14 @@ class CkptStoreReader(StorageReader):
 
     #: Write the targets only once every blob has verified (see the class docstring).
     atomic: bool = True
+    #: Read once, share: a blob several ranks of the load need is read from the store by one
+    #: of them and sent to the others over ``process_group`` (gloo), see ``_share``. None (the
+    #: default): when the store is ``remote`` (S3, GCS, Azure), not a local directory.
+    share: bool | None = None
+    #: The group the load runs on (``dcp.load`` here sets it; None: the default group).
+    process_group: Any = None
+    #: This rank's part in the last load's sharing: blobs sent (per receiver) / received.
+    shared_out = shared_in = 0
 
     def __init__(
         self,
@@ -204,12 +215,42 @@ class CkptStoreReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """The planners' plans, unchanged."""
-        return plans
+        """The planners' plans, each carrying the same read-once schedule: who reads each blob
+        that several ranks need (see ``_share``; none when sharing is off or impossible)."""
+        share = self.store.remote if self.share is None else self.share
+        if not share or len(plans) < 2 or not _share.can_share(self.process_group):
+            return plans
+        stored = self.stored_metadata()
+        plan = _share.schedule([self._wanted(stored, p) for p in plans])
+        return [dataclasses.replace(p, storage_data=plan) for p in plans]
+
+    def _wanted(self, stored: StoredMetadata, plan: LoadPlan) -> dict[str, int]:
+        """digest -> bytes of it the tensor boxes of ``plan`` reach."""
+        ends: list[tuple[str, int]] = []
+        for item in plan.items:
+            location = stored.metadata.storage_data.get(item.storage_index)
+            if location is None or item.type != LoadItemType.TENSOR:
+                continue  # read_data names a missing location
+            reader = self._rank_reader(stored, location.rank)
+            _, entry = item_entry(reader, location.position)
+            if entry.is_array:
+                where = _with_context(reader.context, f"entry {entry.path}")
+                ends += blob_ends(entry, *_check_box(entry, item, where))
+        return _share.wanted_bytes(ends)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read every item of ``plan`` into the planner's tensors (verified), in parallel per
         stored item, fetching each needed blob once and only the chunks a box touches."""
+        # First, before anything that could fail on one rank alone: the blobs shared with
+        # other ranks (every rank of the schedule walks it, or its peers would wait).
+        held: dict[str, memoryview] = {}
+        self.shared_out = self.shared_in = 0
+        if isinstance(plan.storage_data, _share.Schedule):
+            group, walk = self.process_group, plan.storage_data
+            held = _share.exchange(
+                self.store, walk, group, context=self.context, max_workers=self.max_workers
+            )
+            self.shared_out, self.shared_in = walk.counts(dist.get_rank(group))
         stored = self.stored_metadata()
         groups: dict[Location, list[ReadItem]] = {}
         # Atomic: every write (a plain value, a tensor box) waits here until all have verified.
@@ -228,7 +269,7 @@ class CkptStoreReader(StorageReader):
                     "planner=NoPickleLoadPlanner()"
                 )
             groups.setdefault(location, []).append(item)
-        cache = BlobCache(self.store)
+        cache = BlobCache(self.store, held)
         tasks: list[tuple[ComponentReader, Entry, str, list[tuple[ReadItem, int, int]]]] = []
         for location, items in groups.items():
             reader = self._rank_reader(stored, location.rank)
