@@ -11,7 +11,7 @@ BENCH_ARGS ?=
 WHEELS ?=
 GPU_WHEELS := $(if $(WHEELS),--no-index --find-links $(WHEELS))
 
-.PHONY: demo test test-slow stress lint format docs bench bench-store bench-dcp bench-gpu bench-export bench-scale bench-tiers fuzz browser clean
+.PHONY: demo test test-slow stress lint format docs bench bench-store bench-dcp bench-gpu bench-export bench-scale bench-tiers fuzz browser azurite clean
 
 # The editable install compiles the float codec's C extension in place: a changed source
 # reinstalls (and so recompiles) it.
@@ -36,8 +36,19 @@ demo: $(VENV)/.installed-core
 	$(PY) -m trainer.grpo $(DEMO_ARGS)
 
 ## test: set up (with test servers) and run the default test suite
-test: $(VENV)/.installed-dev browser
+test: $(VENV)/.installed-dev browser azurite
 	$(PY) -m pytest -m "not slow and not stress" $(PYTEST_ARGS)
+
+# Azurite, the Azure Blob emulator that tests/azure_fixtures.py starts, pinned, from the npm
+# registry into .cache/azurite (ignored; needs node 20 and npm). The stamp holds the version:
+# a changed pin reinstalls, an installed one costs nothing.
+AZURITE_VERSION := 3.37.0
+AZURITE_STAMP := .cache/azurite/.installed
+azurite:
+	@test "$$(cat $(AZURITE_STAMP) 2>/dev/null)" = "$(AZURITE_VERSION)" || { \
+	  command -v npm >/dev/null || { echo "install node 20 and npm: the Azure tests need Azurite from npm"; exit 1; }; \
+	  npm install --prefix .cache/azurite --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION) && \
+	  echo "$(AZURITE_VERSION)" > $(AZURITE_STAMP); }
 
 # tests/web drive Debian's headless Chromium through Playwright (Playwright's own browser
 # download needs the internet); installed from Debian's packages when missing (CI runs as root).
@@ -48,12 +59,12 @@ browser:
 	  { echo "install chromium-headless-shell (Debian) for tests/web"; exit 1; }
 
 ## test-slow: only the slow cases
-test-slow: $(VENV)/.installed-dev
+test-slow: $(VENV)/.installed-dev azurite
 	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 ## stress: the whole reliability suite, its fast tier and the long -m stress tier (crash
 ## points, faults, GC against writers on PostgreSQL + SeaweedFS); prints a line per family
-stress: $(VENV)/.installed-dev
+stress: $(VENV)/.installed-dev azurite
 	$(PY) -m pytest tests/reliability $(PYTEST_ARGS)
 
 ## lint: ruff (lint + format check) and mypy on the library and the reference trainer

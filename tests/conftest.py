@@ -27,7 +27,7 @@ from ckptstore.objectstore import ObjectStore
 from ckptstore.testing.factories import LocalStoreFactory, S3Endpoint, S3StoreFactory, StoreFactory
 
 # Manifest-database fixtures (db_url on SQLite and PostgreSQL, pg_url, store) for every directory.
-pytest_plugins = ["dbfixtures"]
+pytest_plugins = ["dbfixtures", "gcs_fixtures", "azure_fixtures"]
 
 
 @pytest.fixture(scope="session", autouse=True)

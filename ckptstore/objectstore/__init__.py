@@ -63,3 +63,21 @@ def __getattr__(name: str) -> Any:
 
 
 register_backend("s3", _open_s3_url, description="s3://bucket/prefix")
+
+
+def _open_gcs_url(url: StoreURL, *, create: bool, **options: Any) -> ObjectStore:
+    # The Google Cloud Storage client only for a store that is on GCS.
+    from ckptstore.objectstore._gcs import open_gcs_url
+
+    return open_gcs_url(url, create=create, **options)
+
+
+def _open_azure_url(url: StoreURL, *, create: bool, **options: Any) -> ObjectStore:
+    # The Azure Blob client only for a store that is on Azure.
+    from ckptstore.objectstore._azure import open_azure_url
+
+    return open_azure_url(url, create=create, **options)
+
+
+register_backend("gs", _open_gcs_url, description="gs://bucket/prefix")
+register_backend("az", _open_azure_url, description="az://container/prefix")

@@ -119,7 +119,10 @@ def test_open_store_s3_works_end_to_end(moto_store_factory: S3StoreFactory) -> N
     [
         ("", "empty"),
         ("   ", "empty"),
-        ("gs://bucket/x", "scheme 'gs'"),
+        ("ftp://bucket/x", "scheme 'ftp'"),
+        ("gs://", "no bucket"),
+        ("gs://bucket/../x", "invalid object key"),
+        ("gs://Bad_Bucket/x", "invalid GCS bucket name"),
         ("http://example.com/x", "scheme 'http'"),
         ("s3://", "no bucket"),
         ("s3:///prefix", "no bucket"),
@@ -210,14 +213,16 @@ def scratch_table(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_built_in_backends_are_registered_in_order() -> None:
     table = backends()
-    assert list(table) == ["", "file", "s3"]
+    assert list(table) == ["", "file", "s3", "gs", "az"]
     assert [b.description for b in table.values()] == [
         "a directory path",
         "file:///abs/path",
         "s3://bucket/prefix",
+        "gs://bucket/prefix",
+        "az://container/prefix",
     ]
     with pytest.raises(TypeError):
-        table["gs"] = table["s3"]  # type: ignore[index]
+        table["ftp"] = table["s3"]  # type: ignore[index]
 
 
 @pytest.mark.usefixtures("scratch_table")
@@ -238,10 +243,11 @@ def test_a_registered_backend_opens_its_urls(tmp_path: Path) -> None:
         ("box+test://shelf/a%20b", "box+test", "shelf", "/a b", False, {}),
     ]
     with pytest.raises(ConfigError) as info:
-        open_store("gs://bucket/x")
+        open_store("ftp://bucket/x")
     assert str(info.value) == (
-        "unsupported store URL scheme 'gs' in 'gs://bucket/x': use a directory path, "
-        "file:///abs/path, s3://bucket/prefix or box+test://name/path"
+        "unsupported store URL scheme 'ftp' in 'ftp://bucket/x': use a directory path, "
+        "file:///abs/path, s3://bucket/prefix, gs://bucket/prefix, az://container/prefix "
+        "or box+test://name/path"
     )
 
 
@@ -267,4 +273,7 @@ def test_register_backend_refuses_a_taken_or_invalid_scheme(scheme: str, match: 
 def test_empty_url_error_lists_the_registered_forms() -> None:
     with pytest.raises(ConfigError) as info:
         open_store("  ")
-    assert "a directory path, file:///abs/path or s3://bucket/prefix" in str(info.value)
+    assert (
+        "a directory path, file:///abs/path, s3://bucket/prefix, gs://bucket/prefix "
+        "or az://container/prefix"
+    ) in str(info.value)

@@ -96,7 +96,11 @@ def make_case(
             ["--db", db, "--store", "ftp://x", "verify"],
             lambda: open_run("r", db=db, store="ftp://x"),
             ConfigError,
-            ("unsupported store URL scheme 'ftp'", "use a directory path", "s3://bucket/prefix"),
+            (
+                "unsupported store URL scheme 'ftp'",
+                "use a directory path",
+                "s3://bucket/prefix, gs://bucket/prefix",
+            ),
             exit_code=2,
         )
     if name == "s3 URL without a bucket":
