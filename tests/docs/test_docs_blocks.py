@@ -5,7 +5,9 @@ How a page runs (tests/docs/docblocks.py reads the blocks):
 - Each page gets a fresh directory in which ``.venv`` is a symlink to the running virtual
   environment (``sys.prefix``) and ``trainer`` one to the checkout's ``trainer/`` (the
   reference trainer is run from a checkout, never installed: ``.venv/bin/python -m
-  trainer.grpo`` works there as it does at the checkout root). Nothing else is there.
+  trainer.grpo`` works there as it does at the checkout root), and ``.cache`` one to the
+  checkout's, when make has installed something there (Azurite, for docs/azure.md). Nothing
+  else is there.
 - Its blocks run in order in that directory: a ```bash block with ``bash -euo pipefail``; a
   ```python block whose first line is ``# NAME.py`` is written to NAME.py (a later bash block
   runs it); any other python block runs as a standalone script with ``.venv/bin/python``.
@@ -113,6 +115,8 @@ def page_run(runs: dict[str, PageRun], page: str, tmp: pytest.TempPathFactory) -
         directory = tmp.mktemp(re.sub(r"\W+", "-", page))
         (directory / ".venv").symlink_to(Path(sys.prefix), target_is_directory=True)
         (directory / "trainer").symlink_to(ROOT / "trainer", target_is_directory=True)
+        if (ROOT / ".cache").is_dir():  # what make installs there (Azurite, for docs/azure.md)
+            (directory / ".cache").symlink_to(ROOT / ".cache", target_is_directory=True)
         runs[page] = PageRun(directory)
     return runs[page]
 
