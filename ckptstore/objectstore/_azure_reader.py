@@ -1,30 +1,27 @@
 """Reading one Azure blob at any offset (:class:`~.base.RandomAccess`), and the small writer
 that lands a download in the caller's buffer.
 
-The blob reader reads a blob's header, then its payload in order, piece by piece, straight into
-the tensors it fills. Here that is a small ranged GET of the blob's first bytes (the header,
-and the blob's size from the answer), kept in memory, then one download from the first byte
-read beyond them to the blob's end, whose chunks (ranged GETs of the client's chunk size,
-fetched as they are consumed) every later read in order continues. A read that goes back, or
-skips ahead, starts a new download at its offset; a failed one is retried from where it stopped.
+:class:`AzureObjectReader` is the Azure side of :class:`~._streaming.StreamingReader`: a small
+ranged GET of the blob's first bytes (the header, and the blob's size from the answer), kept in
+memory, then one download from the first byte read beyond them to the blob's end, whose chunks
+(ranged GETs of the client's chunk size, fetched as they are consumed) every later read in
+order continues. A read that goes back, or skips ahead, starts a new download at its offset; a
+failed one is retried from where it stopped. The SDK hands a download over as chunks of bytes,
+not as a stream to read into: each is copied into the caller's view once.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from azure.core.exceptions import HttpResponseError
 
-from ckptstore.errors import ObjectStoreError
 from ckptstore.objectstore._azure_errors import TruncatedResponseError, error_code
+from ckptstore.objectstore._streaming import FIRST_BYTES, StreamingReader
 
 if TYPE_CHECKING:
     from azure.storage.blob import BlobClient
-
-#: Bytes the first GET asks for: more than any blob header (576 bytes at most), and little
-#: enough to cost about what a HEAD would when the blob turns out to be compressed.
-FIRST_BYTES = 4 << 10
 
 
 class ViewWriter:
@@ -75,8 +72,38 @@ def is_invalid_range(exc: BaseException) -> bool:
     )
 
 
-class AzureObjectReader:
+class _Chunks:
+    """A download read as a body: its chunks (ranged GETs of the client's chunk size, fetched as
+    they are consumed), copied into the caller's view as far as each reaches."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        #: The rest of the current chunk.
+        self._left = memoryview(b"")
+
+    def readinto(self, view: memoryview) -> int:
+        """Copy the next bytes into ``view``: the rest of this chunk, or of the next; 0 once
+        the download has ended."""
+        if not self._left.nbytes:
+            chunk = next(self._chunks, None)
+            if not chunk:
+                return 0
+            self._left = memoryview(chunk)
+        n = min(self._left.nbytes, view.nbytes)
+        view[:n] = self._left[:n]
+        self._left = self._left[n:]
+        return n
+
+    def close(self) -> None:
+        """Drop the download: the chunks not fetched yet never are."""
+        self._chunks, self._left = iter(()), memoryview(b"")
+
+
+class AzureObjectReader(StreamingReader):
     """One blob, open for reads at any offset. Close it when done."""
+
+    _truncated = TruncatedResponseError
+    _stream_name = "download"
 
     def __init__(
         self, blob: BlobClient, where: str, call: Callable[[Callable[[], Any]], Any]
@@ -84,86 +111,24 @@ class AzureObjectReader:
         """Open ``blob`` (``where`` names it in errors): one GET of its first bytes, through
         ``call`` (the store's retries and error translation), which raises ObjectNotFoundError
         for a missing blob."""
-        self._blob, self._where, self._call = blob, where, call
-        #: The download in progress: its chunks, the rest of the current one, and the blob
-        #: offset of the next byte it gives.
-        self._chunks: Iterator[bytes] | None = None
-        self._left = memoryview(b"")
-        self._position = 0
-        self._head = b""
-        self.size = 0
-        call(self._first_get)
+        self._blob = blob
+        super().__init__(where, call)
 
-    def _first_get(self) -> None:
+    def _open_first(self) -> tuple[Any, int, int] | None:
         try:
             download = self._blob.download_blob(offset=0, length=FIRST_BYTES, max_concurrency=1)
         except HttpResponseError as exc:
             if not is_invalid_range(exc):
                 raise
-            self.size, self._head = 0, b""  # an empty blob: no byte range can be satisfied
-            return
+            return None
         # "bytes 0-4095/1048576"; the SDK's size is the range's, the total is after the '/'.
         content_range = download.properties.content_range
-        self.size = int(content_range.rsplit("/", 1)[1]) if content_range else download.size
-        head = download.readall()
-        if len(head) != min(self.size, FIRST_BYTES):
-            raise TruncatedResponseError(
-                f"reading {self._where}: got {len(head)} of the first "
-                f"{min(self.size, FIRST_BYTES)} bytes"
-            )
-        self._head = bytes(head)
+        size = int(content_range.rsplit("/", 1)[1]) if content_range else download.size
+        return _Chunks(download.chunks()), min(size, FIRST_BYTES), size
 
-    def read_into(self, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the blob's bytes from ``offset``."""
-        end = offset + view.nbytes
-        if offset < 0 or end > self.size:
-            raise ObjectStoreError(
-                f"reading {self._where}: bytes [{offset}, {end}) lie outside the object "
-                f"({self.size} bytes)"
-            )
-        cached = max(0, min(end, len(self._head)) - offset)
-        if cached:
-            view[:cached] = self._head[offset : offset + cached]
-        if cached < view.nbytes:
-            self._stream_into(offset + cached, view[cached:])
-
-    def _stream_into(self, offset: int, view: memoryview) -> None:
-        """Fill ``view`` from ``offset`` with the download, started there if the one in
-        progress is elsewhere; a failed attempt is resumed where it stopped."""
-        done = 0
-
-        def attempt() -> None:
-            nonlocal done
-            at = offset + done
-            if self._chunks is None or self._position != at:
-                self._open(at)
-            try:
-                while done < view.nbytes:
-                    if not self._left.nbytes:
-                        assert self._chunks is not None
-                        chunk = next(self._chunks, None)
-                        if not chunk:
-                            raise TruncatedResponseError(
-                                f"reading {self._where}: the download ended at byte "
-                                f"{self._position} of {self.size}"
-                            )
-                        self._left = memoryview(chunk)
-                    n = min(self._left.nbytes, view.nbytes - done)
-                    view[done : done + n] = self._left[:n]
-                    self._left = self._left[n:]
-                    done += n
-                    self._position += n
-            except BaseException:
-                self.close()  # the retry starts a new download where this one stopped
-                raise
-
-        self._call(attempt)
-
-    def _open(self, offset: int) -> None:
-        self.close()
+    def _open_at(self, offset: int) -> Any:
         download = self._blob.download_blob(offset=offset, max_concurrency=1)
-        self._chunks, self._position = download.chunks(), offset
+        return _Chunks(download.chunks())
 
-    def close(self) -> None:
-        """Drop the download in progress, if any."""
-        self._chunks, self._left = None, memoryview(b"")
+    def _readinto(self, body: Any, view: memoryview) -> int:
+        return cast(int, body.readinto(view))

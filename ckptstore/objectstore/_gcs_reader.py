@@ -2,26 +2,25 @@
 open for reads at any offset (:class:`~.base.RandomAccess`).
 
 A GET streams the body into a buffer allocated once from the answer's ``Content-Length``, a
-step at a time: no intermediate copy of the object. :class:`GCSObjectReader` reads the way
-:class:`~._s3_reader.S3ObjectReader` does: one small GET of the first bytes (the blob header,
-and the object's size from ``Content-Range``), then one streamed ranged GET that reads in order
+step at a time: no intermediate copy of the object. :class:`GCSObjectReader` is the GCS side
+of :class:`~._streaming.StreamingReader`: one small GET of the first bytes (the blob header, and
+the object's size from ``Content-Range``), then one streamed ranged GET that reads in order
 continue; a read elsewhere starts a new GET there, and a stream cut short resumes where it stopped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import quote
 
 from ckptstore.errors import ObjectStoreError
 from ckptstore.objectstore._gcs_errors import TruncatedResponseError, raise_for_answer
+from ckptstore.objectstore._streaming import FIRST_BYTES, StreamingReader
 
 B = TypeVar("B", bytearray, memoryview)
 #: Bytes asked of a response body per read (as for S3: cache-sized steps, no big temporaries).
 READ_STEP = 1 << 20
-#: Bytes the first GET of an open reader asks for: more than any blob header.
-FIRST_BYTES = 4 << 10
 
 
 def media_url(endpoint: str, bucket: str, name: str) -> str:
@@ -86,8 +85,10 @@ def fetch(
     return buf
 
 
-class GCSObjectReader:
+class GCSObjectReader(StreamingReader):
     """One GCS object, open for reads at any offset. Close it when done."""
+
+    _truncated = TruncatedResponseError
 
     def __init__(
         self,
@@ -99,87 +100,24 @@ class GCSObjectReader:
     ) -> None:
         """Open the object at ``url`` (``where`` names it in errors) with one GET of its first
         bytes, through ``call`` (retries, error translation: ObjectNotFoundError if missing)."""
-        self._session, self._url, self._where, self._timeout = session, url, where, timeout
-        self._call = call
-        self._body: Any = None
-        self._position = 0
-        self._head = b""
-        self.size = 0
-        call(self._first_get)
+        self._session, self._url, self._timeout = session, url, timeout
+        super().__init__(where, call)
 
-    def _first_get(self) -> None:
+    def _open_first(self) -> tuple[Any, int, int] | None:
         response = open_get(self._session, self._url, (0, FIRST_BYTES), self._timeout)
-        if response is None:  # an empty object: no range of it can be satisfied
-            self.size, self._head = 0, b""
-            return
+        if response is None:
+            return None
         length = int(response.headers.get("Content-Length", "0"))
         content_range = response.headers.get("Content-Range")
         # "bytes 0-4095/1048576"; a server that ignores the range sends the whole object.
-        self.size = int(content_range.rsplit("/", 1)[1]) if content_range else length
-        head = bytearray(min(length, FIRST_BYTES))
-        got = 0
-        while got < len(head):
-            n = response.raw.readinto(memoryview(head)[got:])
-            if not n:
-                break
-            got += n
-        if got != len(head):
-            response.close()
-            raise TruncatedResponseError(f"reading {self._where}: got {got} of {len(head)} bytes")
-        self._head = bytes(head)
-        self._drop()
-        if length > len(head):  # the whole object came: keep streaming it
-            self._body, self._position = response, len(head)
-        else:
-            response.close()
+        size = int(content_range.rsplit("/", 1)[1]) if content_range else length
+        return response, length, size
 
-    def read_into(self, offset: int, view: memoryview) -> None:
-        """Fill ``view`` with the object's bytes from ``offset``."""
-        end = offset + view.nbytes
-        if offset < 0 or end > self.size:
-            raise ObjectStoreError(
-                f"reading {self._where}: bytes [{offset}, {end}) lie outside the object "
-                f"({self.size} bytes)"
-            )
-        cached = max(0, min(end, len(self._head)) - offset)
-        if cached:
-            view[:cached] = self._head[offset : offset + cached]
-        if cached < view.nbytes:
-            self._stream_into(offset + cached, view[cached:])
+    def _open_at(self, offset: int) -> Any:
+        response = open_get(self._session, self._url, (offset, self.size), self._timeout)
+        if response is None:
+            raise TruncatedResponseError(f"reading {self._where}: no bytes from {offset}")
+        return response
 
-    def _stream_into(self, offset: int, view: memoryview) -> None:
-        done = 0
-
-        def attempt() -> None:
-            nonlocal done
-            at = offset + done
-            if self._body is None or self._position != at:
-                self._drop()
-                response = open_get(self._session, self._url, (at, self.size), self._timeout)
-                if response is None:
-                    raise TruncatedResponseError(f"reading {self._where}: no bytes from {at}")
-                self._body, self._position = response, at
-            try:
-                while done < view.nbytes:
-                    n = self._body.raw.readinto(view[done : done + READ_STEP])
-                    if not n:
-                        raise TruncatedResponseError(
-                            f"reading {self._where}: the response ended at byte "
-                            f"{self._position} of {self.size}"
-                        )
-                    done += n
-                    self._position += n
-            except BaseException:
-                self._drop()  # the retry starts a new GET where this one stopped
-                raise
-
-        self._call(attempt)
-
-    def _drop(self) -> None:
-        body, self._body = self._body, None
-        if body is not None:
-            body.close()
-
-    def close(self) -> None:
-        """Close the streamed GET in progress, if any."""
-        self._drop()
+    def _readinto(self, body: Any, view: memoryview) -> int:
+        return cast(int, body.raw.readinto(view[:READ_STEP]))
