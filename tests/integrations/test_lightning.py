@@ -41,6 +41,17 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _deterministic_algorithms_restored() -> Any:
+    """``Trainer(deterministic=True)`` turns on ``torch.use_deterministic_algorithms`` for the
+    whole process and leaves it on: later tests (the dtype round trips) would then fail on
+    torch ops with no deterministic version. Each test here puts it back as it found it."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def status_by_name(root: Path) -> dict[str, tuple[int, str]]:
     """Each Lightning name -> (step, status) of the newest row listing it."""
     with ckptstore.open_run(
