@@ -250,9 +250,11 @@ class BlobCache:
             seg, a, b, pos = pieces[0]
             raw = self._get(seg.digest, seg.offset + seg.length, entry, where)
             try:
-                if not raw.readonly:
-                    start = seg.offset + a - pos
-                    return raw[start : start + b - a]
+                start = seg.offset + a - pos
+                span = raw[start : start + b - a]
+                # A read-only blob (a decoded one) is copied from here: taking it again below
+                # would release it twice, and the cache would drop it while reads still need it.
+                return span if not raw.readonly else bytearray(span)
             finally:
                 self._release(seg.digest)
         out = bytearray(hi - lo)
