@@ -2,7 +2,7 @@
 
 ``accelerator.save_state(dir)`` writes the optimizer, schedulers, RNG states, sampler and
 registered objects with ``torch.save`` (pickle) into a folder, and ``load_state`` unpickles
-them (registered objects with ``weights_only=False``). Its pre-hooks see only the models, so
+them (registered objects with the weights-only guard off). Its pre-hooks see only the models, so
 they cannot move the rest elsewhere. These two functions take the same state from the
 ``Accelerator`` instead and store it as ckptstore components -- tensors and plain values,
 never a pickle::
