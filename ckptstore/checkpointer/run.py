@@ -69,7 +69,7 @@ class Run:
         #: Writes this process's components to the tiers (a local save; made at the first):
         #: its own tier answers what is there already, so no manifest query decides it.
         self._tier_blobs: BlobWriter | None = None
-        self._writer_options = writer_options
+        self.writer_options = writer_options  # open_run's; its integrations' saves use them too
         self._queue: OneInFlight[SaveHandle] = OneInFlight(f"ckpt-save-{name}")
         self._closed = False
         #: Per-step metrics not written yet (``log_metrics``; made at the first call).
@@ -217,7 +217,7 @@ class Run:
         assert tiers is not None
         store = tiers.writer(self.db)
         if self._tier_blobs is None:
-            self._tier_blobs = BlobWriter(store, self._writer_options)
+            self._tier_blobs = BlobWriter(store, self.writer_options)
         return commit.Writer(
             self.db,
             store,

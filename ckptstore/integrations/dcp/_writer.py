@@ -104,7 +104,9 @@ class CkptStoreWriter(StorageWriter):
         self.metrics = metrics
         self.trigger = trigger
         self.kind = kind
-        self.writer_options = writer_options
+        # Those given, else the run's (open_run(writer_options=...)), as Run.save uses them.
+        run_options = target.writer_options if isinstance(target, Run) else None
+        self.writer_options = writer_options if writer_options is not None else run_options
         self.expect_changed = expect_changed
         self.commit = commit
         self.committed: CheckpointInfo | None = None
