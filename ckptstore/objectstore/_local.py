@@ -31,6 +31,8 @@ from ckptstore.errors import (
     StorePermissionError,
 )
 from ckptstore.names import printable
+from ckptstore.objectstore import _diskrate
+from ckptstore.objectstore._durable import DURABLE_LIMIT, FileId, file_id, fsync_path
 from ckptstore.objectstore.base import (
     TMP_PREFIX,
     ObjectInfo,
@@ -52,7 +54,8 @@ _DELETE_THREADS = 8
 class LocalStore(ObjectStore):
     """A directory on a local or network file system."""
 
-    write_bandwidth_hint = 1.5e9
+    #: Until a flush has measured this disk (see ``_diskrate``): then the measured rate.
+    write_bandwidth_hint = _diskrate.DEFAULT_RATE
     read_concurrency = max(2, os.cpu_count() or 2)
 
     def __init__(
@@ -78,10 +81,11 @@ class LocalStore(ObjectStore):
         # Files and directories written (or found) since the last flush.
         self._unsynced: set[Path] = set()
         self._unsynced_dirs: set[Path] = set()
+        self._batch = _diskrate.Batch()  # what those files hold: a flush measures the disk
         #: Files a flush of this store made durable (path -> what identified the file then):
         #: one found again, still the same file, needs no second fsync (a writer reusing the
         #: blobs it stored at its previous saves); a file written there since is synced anew.
-        self._durable: dict[str, _FileId] = {}
+        self._durable: dict[str, FileId] = {}
         self._sync_lock = threading.Lock()
         # Held for a whole flush: a second flush waits until the first one's fsyncs are done,
         # so no flush returns while objects it must cover are still being synced.
@@ -106,6 +110,8 @@ class LocalStore(ObjectStore):
             ) from exc
         if not is_dir:
             raise ConfigError(f"local store root {where} exists but is not a directory")
+        self._device = self.root.stat().st_dev
+        self.write_bandwidth_hint = _diskrate.rate(self._device, type(self).write_bandwidth_hint)
 
     @property
     def url(self) -> str:
@@ -146,6 +152,7 @@ class LocalStore(ObjectStore):
             self._defer(path)
             return False
         parts = as_parts(data)
+        began = time.monotonic()
         self._makedirs(path.parent)
         tmp = path.parent / f"{TMP_PREFIX}{path.name}.{uuid.uuid4().hex}"
         try:
@@ -157,7 +164,7 @@ class LocalStore(ObjectStore):
             finally:
                 os.close(fd)
             created = _link_no_replace(tmp, path)
-            self._defer(path)
+            self._defer(path, wrote=sum(p.nbytes for p in parts), began=began)
             return created
         except OSError as exc:
             raise self._error("writing", key, exc) from exc
@@ -171,15 +178,17 @@ class LocalStore(ObjectStore):
             return
         with self._flush_lock:
             with self._sync_lock:
-                files, dirs = self._unsynced, self._unsynced_dirs
+                files, dirs, batch = self._unsynced, self._unsynced_dirs, self._batch
                 self._unsynced, self._unsynced_dirs = set(), set()
+                self._batch = _diskrate.Batch()
             if not files and not dirs:
                 return
+            sync_began = time.monotonic()
             try:
                 with ThreadPoolExecutor(min(16, max(1, len(files)))) as pool:
-                    synced = list(pool.map(_fsync_path, files))
+                    synced = list(pool.map(fsync_path, files))
                     # Directories after their files: a name must never outlive its data.
-                    list(pool.map(_fsync_path, dirs))
+                    list(pool.map(fsync_path, dirs))
             except OSError as exc:
                 with self._sync_lock:  # a later flush tries them again
                     self._unsynced |= files
@@ -188,8 +197,11 @@ class LocalStore(ObjectStore):
                     f"flushing {len(files)} objects to disk under {self.url} failed: "
                     f"{exc.strerror or exc}"
                 ) from exc
+            self.write_bandwidth_hint = _diskrate.record(
+                self._device, batch, sync_began, default=type(self).write_bandwidth_hint
+            )
             with self._sync_lock:
-                if len(self._durable) > _DURABLE_LIMIT:
+                if len(self._durable) > DURABLE_LIMIT:
                     self._durable.clear()
                 for path, found in zip(files, synced, strict=True):
                     if found is not None:
@@ -199,14 +211,24 @@ class LocalStore(ObjectStore):
         """Flush ``key`` (found already stored) at the next :meth:`flush` too."""
         self._defer(self._path(key))
 
-    def _defer(self, path: Path | None = None, *, directory: Path | None = None) -> None:
-        """Remember a file (and its directory) or a directory whose entries changed."""
+    def _defer(
+        self,
+        path: Path | None = None,
+        *,
+        directory: Path | None = None,
+        wrote: int = 0,
+        began: float = 0.0,
+    ) -> None:
+        """Remember a file (and its directory) or a directory whose entries changed; ``wrote``
+        bytes just written to the file, from ``began`` on."""
         if not self._fsync:
             return
         with self._sync_lock:
+            if wrote:
+                self._batch.wrote(wrote, began)
             if path is not None:
                 known = self._durable.get(str(path))
-                if known is not None and known == _file_id(path):
+                if known is not None and known == file_id(path):
                     return  # the very file this store made durable: nothing to sync again
                 self._unsynced.add(path)
                 self._unsynced_dirs.add(path.parent)
@@ -397,37 +419,6 @@ class LocalStore(ObjectStore):
         except FileExistsError:
             return
         self._defer(directory=directory.parent)  # the new name, durable at the next flush
-
-
-#: (device, inode, size, change time in ns): a file, told apart from one written at the same
-#: path since (an inode number may be reused; its change time would not be the same).
-_FileId = tuple[int, int, int, int]
-#: Paths a store remembers as durable before it forgets them all (bounded memory).
-_DURABLE_LIMIT = 1_000_000
-
-
-def _file_id(path: Path) -> _FileId | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns
-
-
-def _fsync_path(path: Path) -> _FileId | None:
-    """fsync a file or directory; what identifies the file synced (None if it is gone:
-    deleted since, it has nothing to make durable -- a commit's existence checks catch a
-    missing object)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        os.fsync(fd)
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    return st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns
 
 
 def open_path(url: StoreURL, *, create: bool, **options: Any) -> LocalStore:
