@@ -60,6 +60,11 @@ class PolicySection:
     #: ckptstore.integrations.dcp. 1: one unsharded worker. A resume may use another number
     #: (the policy reshards on load). More than 1 needs backend=ray.
     num_workers: int = 1
+    #: Data-parallel replicas the num_workers ranks form (HSDP; must divide num_workers): each
+    #: replica holds the policy as num_workers // replicas FSDP2 shards and trains on its part
+    #: of each batch. A save stores one copy; a load reads each blob from the store once and
+    #: sends it to the other replicas' ranks. A resume may use another number.
+    replicas: int = 1
     #: Ray resources each policy worker asks for, e.g. {policy_slot: 1} with one such slot per
     #: node puts every rank on its own node. Empty: placed anywhere.
     worker_resources: dict[str, float] = field(default_factory=dict)
@@ -68,8 +73,14 @@ class PolicySection:
     collective_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        for key in ("d_model", "n_layers", "n_heads", "num_workers"):
+        for key in ("d_model", "n_layers", "n_heads", "num_workers", "replicas"):
             _at_least(getattr(self, key), 1, f"policy.{key}")
+        if self.num_workers % self.replicas:
+            raise ConfigurationError(
+                f"policy.replicas={self.replicas} must divide policy.num_workers="
+                f"{self.num_workers} (each replica is the same number of shards): set "
+                "policy.num_workers to a multiple of policy.replicas"
+            )
         if not self.collective_timeout_s > 0:
             raise ConfigurationError(
                 f"policy.collective_timeout_s={self.collective_timeout_s} must be > 0"
@@ -355,7 +366,13 @@ class TrainerConfig:
 RUNTIME_KEYS = ("backend", "ray_address", "checkpointing", "logger", "watchdog")
 #: Policy keys that are not part of the model's identity: the optimizer's learning rate, and
 #: how the policy is spread over workers (a resume may reshard it).
-POLICY_NOT_IDENTITY = ("lr", "num_workers", "worker_resources", "collective_timeout_s")
+POLICY_NOT_IDENTITY = (
+    "lr",
+    "num_workers",
+    "replicas",
+    "worker_resources",
+    "collective_timeout_s",
+)
 
 
 def load_config(config_file: str | Path | None, overrides: Sequence[str]) -> TrainerConfig:

@@ -36,6 +36,7 @@ examples:
   python -m trainer.grpo --config my.yaml checkpointing.checkpoint_must_save_by=00:03:30:00
   python -m trainer.grpo backend=local                    # no Ray: everything in this process
   python -m trainer.grpo policy.num_workers=2             # policy sharded over 2 Ray workers
+  python -m trainer.grpo policy.num_workers=4 policy.replicas=2   # 2 replicas x 2 FSDP2 shards
 
 Config names follow DESIGN.md §9.1 (see trainer/config.py for every key and its default).
 checkpoint_must_save_by takes DD:HH:MM:SS counted from process start, or an absolute

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from ckptstore import CheckpointInfo
 from ckptstore.extending import TierConfig, nearest_copies, open_store
 from ckptstore.integrations import dcp as ckpt_dcp
+from trainer.store_reads import CountedReads
 
 #: The component every sharded policy checkpoint has (DCP's metadata document).
 SHARDED_MARKER = ckpt_dcp.METADATA_COMPONENT
@@ -75,21 +76,28 @@ def load_sharded(
     store: str,
     tiers: TierConfig | None = None,
     sources: TierSources | None = None,
+    *,
+    share: bool | None = None,
 ) -> dict[str, int]:
     """Load a sharded checkpoint (``plan``, resolved by the controller) into this rank's part
     of the policy, from the store (with ``tiers`` and ``sources``: each blob from its nearest
-    copy on the node-local tiers; returns the bytes read from each node's tier and from the
-    store, ``"store"``): a worker never opens the manifest database. Raises
-    ckptstore's ``IntegrityError`` on every rank when the stored data is damaged (the
-    controller marks the checkpoint corrupt and picks the previous one)."""
+    copy on the node-local tiers). Returns the bytes this rank read from the store
+    (``"store"``) and from each node's tier. A worker never opens the manifest database.
+
+    ``share`` (``ckpt_dcp.load``'s read-once; None: on for a remote store): True where the
+    ranks of several data-parallel replicas load the same shards, so that each blob is read
+    from the store by one rank and sent to the others. Raises ckptstore's ``IntegrityError``
+    on every rank when the stored data is damaged (the controller marks the checkpoint
+    corrupt and picks the previous one)."""
     state = sharded_state(model, optimizer, with_optimizer)
-    read: dict[str, int] = {}
-    if tiers is None or sources is None:
-        ckpt_dcp.load(state, plan, store=store, fallback=False)
-    else:
-        with open_store(store, create=False) as remote:
+    with open_store(store, create=False) as remote:
+        if tiers is None or sources is None:
+            counted = CountedReads(remote)
+            ckpt_dcp.load(state, plan, store=counted, fallback=False, share=share)
+            read = {"store": counted.read_bytes}
+        else:
             nearest = nearest_copies(tiers, sources.copies, sources.reachable, remote)
-            ckpt_dcp.load(state, plan, store=nearest, fallback=False)
+            ckpt_dcp.load(state, plan, store=nearest, fallback=False, share=share)
             read = {node or "store": n for node, n in nearest.read_from.items()}
     apply_sharded_state(model, optimizer, state)
     return read

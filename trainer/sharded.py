@@ -1,5 +1,5 @@
 """A policy sharded over N Ray workers: FSDP2 ranks of one torch.distributed group
-(``policy.num_workers`` > 1).
+(``policy.num_workers`` > 1), forming ``policy.replicas`` data-parallel replicas (HSDP).
 
 Each :class:`PolicyRank` actor holds its shard of the model and of the AdamW state, trains on
 its part of each batch and saves its own shards through ``ckptstore.integrations.dcp`` in the
@@ -9,7 +9,10 @@ collectives never interleave with training's). The controller never sees a shard
 group.train_step.remote(batch)``, ...) and fans each out to every rank. The receipts of a save
 come back through rank 0, and the controller commits them with the replay buffer and its own
 state in one transaction. Loads are planned by the controller (it alone opens the manifest) and
-read by every rank from the store: a worker never touches the database.
+read by every rank from the store: a worker never touches the database. With R replicas the
+ranks of different replicas hold the same shards: a save stores each once (DCP writes a
+replicated item from one rank) and a load reads each blob from the store once, the rank that
+read it sending it to the others (``ckpt_dcp.load``'s read-once ``share``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,9 @@ UPLOAD_TIMEOUT = timedelta(hours=1)
 
 class PolicyRank:
     """Rank ``rank`` of ``world``: its shard of the policy and of the optimizer, trained with
-    FSDP2 over gloo (``cpu:gloo,cuda:nccl`` where CUDA is present)."""
+    FSDP2 over gloo (``cpu:gloo,cuda:nccl`` where CUDA is present). With ``policy.replicas``
+    R > 1 the ranks form an R x (world / R) mesh: rank r is shard r % (world / R) of replica
+    r // (world / R), and gradients are averaged over every rank (HSDP)."""
 
     def __init__(
         self,
@@ -135,7 +140,14 @@ class PolicyRank:
         )
         # Background uploads run their collectives here, never on training's group.
         self.checkpoint_group = dist.new_group(backend="gloo", timeout=UPLOAD_TIMEOUT)
-        mesh = init_device_mesh("cpu", (self.world,))
+        replicas = self.cfg.policy.replicas
+        mesh = (
+            init_device_mesh(
+                "cpu", (replicas, self.world // replicas), mesh_dim_names=("replicate", "shard")
+            )
+            if replicas > 1
+            else init_device_mesh("cpu", (self.world,))
+        )
         for block in self.model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(self.model, mesh=mesh)
@@ -220,11 +232,23 @@ class PolicyRank:
         self, plan: ckpt_dcp.LoadPlan, with_optimizer: bool, sources: TierSources | None = None
     ) -> dict[str, int]:
         """Read this rank's shard of a sharded checkpoint (any number of saving ranks); with
-        ``sources``, each blob from its nearest copy on the node-local tiers."""
+        ``sources``, each blob from its nearest copy on the node-local tiers. Replicas share
+        their reads: each blob comes from the store once, to one rank. Returns the bytes this
+        rank read from the store and from each tier."""
         if self.store is None:
             raise RuntimeError("this policy rank was started without a checkpoint store")
+        # Replicas want the same blobs; on one node's own disk (auto: off) reading them again
+        # may be cheaper, but replicas are spread over nodes that share one store.
+        share = True if self.cfg.policy.replicas > 1 else None
         return load_sharded(
-            self.model, self._optim(), plan, with_optimizer, self.store, self.tiers, sources
+            self.model,
+            self._optim(),
+            plan,
+            with_optimizer,
+            self.store,
+            self.tiers,
+            sources,
+            share=share,
         )
 
     def close(self) -> None:
@@ -274,6 +298,8 @@ class PolicyGroup:
         self.nodes = nodes
         #: A rank failed (or died): close kills the actors instead of asking them.
         self.broken = False
+        #: The bytes the last load_sharded read from the store and each tier, all ranks'.
+        self.last_read: dict[str, int] = {}
         self.train_step = _Call(self._train_step)
         self.weights = _Call(self._weights)
         self.whole_state = _Call(self._whole_state)
@@ -427,6 +453,7 @@ class PolicyGroup:
         for read in reads:
             for source, n in read.items():
                 total[source] = total.get(source, 0) + n
+        self.last_read = total
         return total
 
     async def _tier_node(self) -> list[tuple[str, str | None]]:

@@ -117,3 +117,31 @@ def test_recorded_and_model_configs_leave_out_what_may_change(tmp_path: Path) ->
     assert "lr" not in model["policy"]  # the learning rate may change between runs
     assert model_config(load_config(None, ["policy.lr=0.1"])) == model
     assert model_config(load_config(None, ["policy.d_model=32"])) != model
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["policy.replicas=0"], r"policy\.replicas=0 must be at least 1"),
+        (
+            ["policy.num_workers=6", "policy.replicas=4"],
+            r"policy\.replicas=4 must divide policy\.num_workers=6 .*a multiple of",
+        ),
+        (["policy.replicas=2"], r"policy\.replicas=2 must divide policy\.num_workers=1"),
+    ],
+)
+def test_replicas_must_divide_the_workers(overrides: list[str], match: str) -> None:
+    with pytest.raises(ConfigurationError, match=match) as info:
+        load_config(None, ["backend=ray", *overrides])
+    assert "\n" not in str(info.value)
+
+
+def test_replicas_are_a_layout_not_the_model_s_identity() -> None:
+    """A resume onto another replica count reshards (DCP), as onto another num_workers."""
+    layouts = [(4, 2), (4, 1), (6, 3), (1, 1)]
+    configs = [
+        load_config(None, ["backend=ray", f"policy.num_workers={n}", f"policy.replicas={r}"])
+        for n, r in layouts
+    ]
+    assert [(c.policy.num_workers, c.policy.replicas) for c in configs] == layouts
+    assert len({str(model_config(c)) for c in configs}) == 1

@@ -79,6 +79,7 @@ def load(
     planner: LoadPlanner | None = None,
     fallback: bool = True,
     max_workers: int = 8,
+    share: bool | None = None,
 ) -> CheckpointInfo:
     """Load a committed checkpoint into ``state_dict`` in place, resharded to its layout; call
     it on every rank of the group. Returns the checkpoint that was loaded, on every rank.
@@ -96,6 +97,12 @@ def load(
       each reads from ``store``, else the plan's ``store_url``. A damaged checkpoint raises
       ``IntegrityError`` on every rank: whoever planned it marks it corrupt and plans again.
 
+    ``share``: read once (``CkptStoreReader.share``): a blob several ranks need is read from
+    the store by one of them and sent to the others over the group (gloo). None (the default):
+    on when the store is remote (S3, GCS, Azure); True also for a local directory (data-parallel
+    replicas on several nodes sharing one file system), False never. Rank 0's decides (DCP plans
+    the load there).
+
     One process alone passes a ``Run`` or a ``LoadPlan``. Errors, raised on every rank:
     ``IntegrityError`` (damaged data), ``CheckpointNotFoundError``, ``ConfigError`` (a
     source or store that cannot work, naming the fix), or the ckptstore error a rank raised.
@@ -105,6 +112,7 @@ def load(
         reader = coordinated.start()
         while True:
             try:
+                reader.share = share
                 _read(state_dict, reader, coordinated.current(), planner, process_group)
             except IntegrityError as exc:
                 reader = coordinated.after(exc)
