@@ -91,7 +91,8 @@ $(VENV)/.installed-bench: $(VENV)/.installed-dev pyproject.toml
 	touch $@
 
 ## bench: issue 13's whole table, every goal as a ratio against peers measured in the same
-## run (save, load, async memory, codec, S3, CLI; ~20 min; BENCH_ARGS=--quick: ~5 min)
+## run (save, load, async memory, codec, S3, DCP over S3 against s3torchconnector, read-once, CLI,
+## tiers; ~30 min; BENCH_ARGS=--quick: ~8 min)
 bench: $(VENV)/.installed-bench
 	$(PY) bench/suite.py $(BENCH_ARGS)
 

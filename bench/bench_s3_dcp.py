@@ -65,6 +65,7 @@ import argparse
 import contextlib
 import cProfile
 import io
+import json
 import os
 import pstats
 import shutil
@@ -405,8 +406,10 @@ def measure(
     return ops, bad
 
 
-def report(ops: dict[str, Op], nbytes: int, names: list[str]) -> None:
+def report(ops: dict[str, Op], nbytes: int, names: list[str]) -> list[dict[str, Any]]:
+    """Print the table and the ratios; the goal rows for ``bench/suite.py``."""
     gib = nbytes / GiB
+    rows: list[dict[str, Any]] = []
     print(
         "\n| operation | median s | range s | GB/s | client CPU-s | CPU-s/GiB | server CPU-s "
         "| others |\n|---|--:|--:|--:|--:|--:|--:|--:|"
@@ -427,6 +430,20 @@ def report(ops: dict[str, Op], nbytes: int, names: list[str]) -> None:
         ours = ops[f"ckptstore {what}"].median("wall")
         theirs = ops[f"{best} {what}"].median("wall")
         met = "met" if ours / theirs <= GOAL else "NOT met"
+        rows.append(
+            {
+                "work": f"DCP {what} {gib:.2f} GiB over S3 (SeaweedFS, loopback)",
+                "ours": ours,
+                "peer": f"{best} (DCP {'writer' if what == 'save' else 'reader'})"
+                if best == "s3torchconnector"
+                else f"{best} x{BOTO3_THREADS} threads",
+                "peer_value": theirs,
+                "unit": "s",
+                "ratio": ours / theirs,
+                "goal": f"<= {GOAL:.1f}x",
+                "met": ours / theirs <= GOAL,
+            }
+        )
         cpu = ops[f"ckptstore {what}"].median("own_cpu") / ops[f"{best} {what}"].median("own_cpu")
         print(
             f"{what}: ckptstore / best peer ({best}) = {ours / theirs:.2f}x wall "
@@ -446,6 +463,7 @@ def report(ops: dict[str, Op], nbytes: int, names: list[str]) -> None:
                 f"{proto.median('own_cpu') / ops[f'ckptstore {what}'].median('own_cpu'):.2f}x "
                 f"client CPU; / best peer = {proto.median('wall') / theirs:.2f}x wall"
             )
+    return rows
 
 
 def profile(ours: Ckptstore, state: State, dest: State, client: Any, top: int) -> None:
@@ -499,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile ckptstore instead")
     parser.add_argument("--top", type=int, default=30, help="rows per profile listing")
     parser.add_argument("--dir", type=Path, default=BENCH_DIR / "out", help="scratch parent")
+    parser.add_argument("--json", type=Path, help="write the goal rows here (bench/suite.py)")
     args = parser.parse_args(argv)
     if (args.reps < 3 and not args.profile) or args.size_gib <= 0:
         parser.error("--reps must be >= 3 and --size-gib > 0")
@@ -569,7 +588,9 @@ def main(argv: list[str] | None = None) -> int:
             client.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    report(ops, nbytes, names)
+    rows = report(ops, nbytes, names)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
     for name, n in uploaded.items():
         print(
             f"{name} uploaded {n / GiB:.3f} GiB per save (compression {args.compression}); "

@@ -64,6 +64,18 @@ BENCHES = [
     Bench("codec", "bench_codec.py", (), ("--size-mib", "16", "--reps", "3")),
     Bench("replay", "bench_replay_codec.py", (), ("--groups", "64", "--reps", "3")),
     Bench("s3", "bench_s3.py", ("--size-gib", "1"), ("--size-gib", "0.1")),
+    Bench(
+        "s3-dcp",
+        "bench_s3_dcp.py",
+        ("--size-gib", "1", "--reps", "3", "--no-obstore"),
+        ("--size-gib", "0.1", "--reps", "3", "--no-obstore"),
+    ),
+    Bench(
+        "read-once",
+        "bench_read_once.py",
+        ("--size-mib", "128", "--reps", "3", "--s3"),
+        ("--size-mib", "32", "--reps", "1"),
+    ),
     Bench("cli", "bench_cli.py", (), ("--reps", "10")),
     Bench("tiers", "bench_tiers.py", ("--reps", "3"), ("--quick",)),
 ]
