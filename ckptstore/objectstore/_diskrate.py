@@ -10,11 +10,12 @@ So every flush of a :class:`~ckptstore.objectstore.LocalStore` that made enough 
 durable is a measurement, kept per file system (its device number) for the whole process, so
 the stores a job opens later on the same disk start from it:
 
-- the flush's fsyncs waited a good share of the time since the batch's first write began
-  (``BEHIND``): the disk, not the writer, set the pace, and its rate is the batch's bytes over
-  that time (a lower bound while the writer kept it busy; the writer starts each file's
-  writeback as it finishes it, so it does);
-- they did not: the disk kept up and its rate is at least that much, so the estimate only
+- the disk was busy most of the time since the batch's first write began (``BEHIND``): the
+  store writes one file at a time, and the seconds its writes took (a write blocks once the
+  kernel holds as much unwritten data as it allows) plus the flush's fsyncs are the disk's
+  busy time. The disk, not the writer, set the pace, and its rate is the batch's bytes over
+  that time (the writer starts each file's writeback as it finishes it);
+- it was not: the disk kept up and its rate is at least that much, so the estimate only
   rises (a writer slowed by its own CPU -- e.g. by compressing -- never makes the disk look
   slower than it is).
 
@@ -33,8 +34,9 @@ DEFAULT_RATE = 1.5e9
 #: A flush measures only when it made at least this many new bytes durable: smaller batches
 #: are dominated by fsync latency, not throughput.
 MIN_BYTES = 64 << 20
-#: The share of a batch's time spent waiting in fsync above which the disk was the bottleneck.
-BEHIND = 0.25
+#: The share of a batch's time the disk was busy (writes, then fsyncs) above which the disk was
+#: the bottleneck.
+BEHIND = 0.5
 #: The weight of a new measurement against the estimate so far (disks vary from run to run).
 WEIGHT = 0.5
 
@@ -61,11 +63,14 @@ class Batch:
 
     nbytes: int = 0
     started: float | None = None
+    #: Seconds the writes took (one at a time: the disk's busy time before the flush).
+    writing: float = 0.0
 
-    def wrote(self, nbytes: int, began: float) -> None:
-        """One object of ``nbytes`` written, its write begun at ``began`` (``time.monotonic``);
-        the caller holds the store's lock."""
+    def wrote(self, nbytes: int, began: float, seconds: float = 0.0) -> None:
+        """One object of ``nbytes`` written in ``seconds``, begun at ``began``
+        (``time.monotonic``); the caller holds the store's lock."""
         self.nbytes += nbytes
+        self.writing += seconds
         if self.started is None or began < self.started:
             self.started = began
 
@@ -87,7 +92,7 @@ def record(
             return default if known is None else known
         elapsed = max(ended - batch.started, 1e-6)
         seen = batch.nbytes / elapsed
-        if ended - sync_began >= BEHIND * elapsed:
+        if batch.writing + (ended - sync_began) >= BEHIND * elapsed:
             estimate = seen if known is None else WEIGHT * seen + (1 - WEIGHT) * known
         else:
             estimate = max(default if known is None else known, seen)

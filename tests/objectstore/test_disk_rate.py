@@ -45,6 +45,15 @@ def test_a_flush_that_found_the_disk_caught_up_only_raises_the_estimate() -> Non
     assert _diskrate.rate(7) == pytest.approx(3000 * MiB)
 
 
+def test_writes_that_blocked_on_the_disk_count_as_its_busy_time() -> None:
+    # The kernel throttles a writer once it holds enough unwritten data: the writes (one at a
+    # time) took 0.7 s of the second, the fsync little. The disk set the pace all the same.
+    b = _diskrate.Batch()
+    b.wrote(200 * MiB, 0.0, seconds=0.4)
+    b.wrote(200 * MiB, 0.4, seconds=0.3)
+    assert _diskrate.record(7, b, sync_began=0.95, ended=1.0) == pytest.approx(400 * MiB)
+
+
 def test_small_batches_measure_nothing() -> None:
     # Latency, not throughput: a few MiB fsynced say nothing about the disk's rate.
     rate = _diskrate.record(7, batch(_diskrate.MIN_BYTES - 1, 0.0), sync_began=0.1, ended=1.0)
