@@ -8,11 +8,6 @@ memory warmed identically before every timed call, everything durable when the c
 - ``ckptstore``: ``Run.save`` of the three components (``async_save=False``: encode, hash,
   upload to a LocalStore, one batched flush, SQLite commit), into a run opened before the timed
   call (a training job opens its run once);
-- ``ckptstore, first save``: the same, with the process's measurement of the disk forgotten
-  first (``compression="auto"`` weighs compressing against the disk's durable write rate, which
-  a local store measures from its own flushes; a job's first save goes by the default guess,
-  1.5 GB/s, the later ones by the disk: see ``ckptstore/objectstore/_diskrate.py``). The plain
-  ``ckptstore`` row is a job's later save: one untimed full-size save precedes the timed ones;
 - ``dcp.save``: ``FileSystemWriter(thread_count=2, sync_files=True)``, one process;
 - ``torch.save`` of the whole state to one file, then fsync (the simplest thing users do);
 - safetensors ``save_file`` of each part (weights, exp_avg, exp_avg_sq), each file fsynced.
@@ -33,8 +28,9 @@ Then bf16 weights alone (``--bf16-gib``, default 1; 0 skips it): ckptstore ``Run
 safetensors ``save_file`` + fsync and ``dcp.save``, the same way.
 
 Reported: medians, GB/s, and ratios ckptstore / best peer (goal: both saves <= 0.9x the fastest
-peer, incremental <= 1.1x its floor), the first-save rows and the disk rate the flushes
-measured. ``--json PATH`` writes those rows for ``bench/suite.py``. Scratch files live under
+peer, incremental <= 1.1x its floor) and a floor: the disk's durable write rate (one 1 GiB
+file written and fsynced; the state's bytes over that rate). ``--json PATH`` writes
+those rows for ``bench/suite.py``. Scratch files live under
 ``--dir`` (default ``bench/out/``) and are removed after every repetition.
 
 Run: ``.venv/bin/python bench/bench_save_vs_dcp.py [--weights-gib 1] [--reps 3]``.
@@ -75,7 +71,6 @@ from bench_store import (  # noqa: E402
 from ckptstore import Run, open_run  # noqa: E402
 from ckptstore.cas.digest import digest_bytes  # noqa: E402
 from ckptstore.cas.writer import WriterOptions  # noqa: E402
-from ckptstore.objectstore import _diskrate  # noqa: E402
 from ckptstore.serialize.dtypes import byte_view  # noqa: E402
 
 GiB = 1 << 30
@@ -164,7 +159,6 @@ def timed(fn: Callable[[], None]) -> tuple[float, float, float]:
 
 Timing = tuple[float, float, float]
 OURS = "ckptstore Run.save"
-FIRST = "ckptstore, first save"
 SAFETENSORS = "safetensors save_file + fsync"
 DCP = "dcp.save (2 threads, sync)"
 FLOOR = "BLAKE3 of the unchanged bytes"
@@ -197,7 +191,7 @@ def measure(
     options (``HASHED``) and by one that reuses unchanged tensors' digests (``REUSED``, its
     first save untimed), and the time BLAKE3 takes over the bytes that did not change
     (``FLOOR``: the least a save that finds unchanged bytes by their digest can spend)."""
-    names = [OURS, FIRST, *peers]
+    names = [OURS, *peers]
     results: dict[str, list[Timing]] = {name: [] for name in names}
     for rep in range(reps):
         for name in rotated(names, rep):
@@ -207,12 +201,10 @@ def measure(
                     save = peers[name]
                     results[name].append(timed(lambda save=save, where=where: save(state, where)))
                     continue
-                if name == FIRST:
-                    _diskrate.forget()  # before the run's store opens: it reads the rate
                 with open_bench_run(where / "a") as run:
                     full = save_ckptstore(run, 1)
                     results[name].append(timed(lambda full=full, where=where: full(state, where)))
-                    if incremental is None or name == FIRST:
+                    if incremental is None:
                         continue
                     with open_bench_run(where / "b", reuse_unchanged_digests=True) as reusing:
                         save_ckptstore(reusing, 1)(state, where)
@@ -244,25 +236,27 @@ def step_two(
     incremental[FLOOR].append(timed(lambda: hash_tensors(same)))
 
 
-def prime(state: State, scratch: str) -> None:
-    """One untimed full-size save: the store measures the disk's durable write rate, as a
-    job's first save does for its later ones (``compression="auto"`` weighs that rate)."""
-    where = Path(tempfile.mkdtemp(dir=scratch))
-    try:
-        with open_bench_run(where) as run:
-            run.save(1, state)
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def first_row(what: str, results: dict[str, list[Timing]], best: str) -> dict[str, Any]:
-    """The information row of a job's first save (the disk not yet measured)."""
-    return info_row(
-        f"durable save {what}, a job's first (disk not yet measured)",
-        median(results[FIRST]),
-        best,
-        median(results[best]),
-    )
+def disk_rate(scratch: str, reps: int = 3) -> float:
+    """The disk's durable write rate, bytes/s: 1 GiB written to one file and fsynced (the
+    median of ``reps``), the floor of any durable save on this disk."""
+    chunk = bytes(range(256)) * (4 << 10)  # 1 MiB, not all zeros
+    times = []
+    for _ in range(reps):
+        where = Path(tempfile.mkdtemp(dir=scratch))
+        try:
+            prepare("warm")
+            t0 = time.perf_counter()
+            with open(where / "f", "wb") as f:
+                for _ in range(1024):
+                    f.write(chunk)
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_path(where)
+            times.append(time.perf_counter() - t0)
+        finally:
+            shutil.rmtree(where, ignore_errors=True)
+            os.sync()
+    return GiB / statistics.median(times)
 
 
 def median(rows: list[Timing], i: int = 0) -> float:
@@ -334,7 +328,8 @@ def main() -> None:
     for peer in peers.values():
         peer(tiny, where)
     shutil.rmtree(where, ignore_errors=True)
-    prime(state, args.dir)
+    rate = disk_rate(args.dir)
+    print(f"the disk's durable write rate (1 GiB file + fsync): {rate / 1e9:.2f} GB/s")
     incremental: dict[str, list[Timing]] = {HASHED: [], REUSED: [], FLOOR: []}
     results = measure(state, peers, args.reps, args.dir, incremental=incremental)
     print_rows({**results, **incremental}, size)
@@ -348,7 +343,7 @@ def main() -> None:
     rows = [
         goal_row(f"durable save {size / GiB:.2f} GiB fp32 (+AdamW)", ours, best, best_s, 0.9),
         info_row(f"durable save {size / GiB:.2f} GiB fp32 (+AdamW)", ours, DCP, dcp_s),
-        first_row(f"{size / GiB:.2f} GiB fp32 (+AdamW)", results, best),
+        info_row(f"floor: {size / GiB:.2f} GiB at the disk's rate", size / rate, best, best_s),
         goal_row(
             "incremental save, 10% changed, reuse_unchanged_digests=True",
             median(incremental[REUSED]),
@@ -381,7 +376,6 @@ def main() -> None:
             DCP: save_dcp,
         }
         print(f"\nbf16 weights: {bf16_size / GiB:.2f} GiB")
-        prime(bf16, args.dir)
         bf16_results = measure(bf16, bf16_peers, args.reps, args.dir)
         print_rows(bf16_results, bf16_size)
         best = min(bf16_peers, key=lambda n: median(bf16_results[n]))
@@ -395,11 +389,14 @@ def main() -> None:
                 0.9,
             )
         )
-        rows.append(first_row(f"{bf16_size / GiB:.2f} GiB bf16", bf16_results, best))
-    rate = _diskrate.rate(os.stat(args.dir).st_dev, 0.0)
-    print(
-        f"this disk's durable write rate, as ckptstore's flushes measured it: {rate / 1e9:.2f} GB/s"
-    )
+        rows.append(
+            info_row(
+                f"floor: {bf16_size / GiB:.2f} GiB at the disk's rate",
+                bf16_size / rate,
+                best,
+                median(bf16_results[best]),
+            )
+        )
     print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

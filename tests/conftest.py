@@ -23,21 +23,11 @@ import pytest
 import s3servers
 from moto import mock_aws
 
-from ckptstore.objectstore import ObjectStore, _diskrate
+from ckptstore.objectstore import ObjectStore
 from ckptstore.testing.factories import LocalStoreFactory, S3Endpoint, S3StoreFactory, StoreFactory
 
 # Manifest-database fixtures (db_url on SQLite and PostgreSQL, pg_url, store) for every directory.
 pytest_plugins = ["dbfixtures", "gcs_fixtures", "azure_fixtures"]
-
-
-@pytest.fixture(autouse=True)
-def _default_disk_rate() -> Iterator[None]:
-    """Every test's local stores start from the default disk rate: a large save in an earlier
-    test measures this disk (``ckptstore.objectstore._diskrate``), which would change which
-    blobs a later test's ``compression="auto"`` compresses."""
-    _diskrate.forget()
-    yield
-    _diskrate.forget()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -103,7 +103,9 @@ class BlobWriter:
     ) -> None:
         self.store = store
         self.options = options or WriterOptions()
-        self._policy = codec.Compression.parse(self.options.compression)
+        self._threshold = codec.min_gain(
+            codec.Compression.parse(self.options.compression), store.write_bandwidth_hint
+        )
         self._known = known
         self._probe = known is None or store.probe_new_blobs
         self._budget = _ByteBudget(self.options.max_inflight_bytes)
@@ -162,8 +164,7 @@ class BlobWriter:
                     kind,
                     itemsize=itemsize,
                     float_like=float_like,
-                    # The store's rate as of now: a local disk's is measured by its flushes.
-                    threshold=codec.min_gain(self._policy, self.store.write_bandwidth_hint),
+                    threshold=self._threshold,
                     digest=digest,
                     skip_existing=self._probe,
                 )

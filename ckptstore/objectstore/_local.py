@@ -31,7 +31,6 @@ from ckptstore.errors import (
     StorePermissionError,
 )
 from ckptstore.names import printable
-from ckptstore.objectstore import _diskrate
 from ckptstore.objectstore._durable import DURABLE_LIMIT, FileId, file_id, fsync_path
 from ckptstore.objectstore.base import (
     TMP_PREFIX,
@@ -54,8 +53,7 @@ _DELETE_THREADS = 8
 class LocalStore(ObjectStore):
     """A directory on a local or network file system."""
 
-    #: Until a flush has measured this disk (see ``_diskrate``): then the measured rate.
-    write_bandwidth_hint = _diskrate.DEFAULT_RATE
+    write_bandwidth_hint = 1.5e9
     read_concurrency = max(2, os.cpu_count() or 2)
 
     def __init__(
@@ -81,7 +79,6 @@ class LocalStore(ObjectStore):
         # Files and directories written (or found) since the last flush.
         self._unsynced: set[Path] = set()
         self._unsynced_dirs: set[Path] = set()
-        self._batch = _diskrate.Batch()  # what those files hold: a flush measures the disk
         #: Files a flush of this store made durable (path -> what identified the file then):
         #: one found again, still the same file, needs no second fsync (a writer reusing the
         #: blobs it stored at its previous saves); a file written there since is synced anew.
@@ -111,8 +108,6 @@ class LocalStore(ObjectStore):
             ) from exc
         if not is_dir:
             raise ConfigError(f"local store root {where} exists but is not a directory")
-        self._device = self.root.stat().st_dev
-        self.write_bandwidth_hint = _diskrate.rate(self._device, type(self).write_bandwidth_hint)
 
     @property
     def url(self) -> str:
@@ -158,18 +153,17 @@ class LocalStore(ObjectStore):
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                # One file at a time: interleaved streams cost a disk-bound save ~15% here
-                # (bench/RESULTS.md); hashing and encoding still run on every thread.
+                # One file at a time: the disk gets one sequential stream, not the workers'
+                # interleaved ones (a disk-bound save 0.95-0.98x, bench/RESULTS.md); hashing
+                # and encoding still run on every thread.
                 with self._write_lock:
-                    began = time.monotonic()
                     _write_all(fd, parts)
-                    writing = time.monotonic() - began
                 if self._fsync:
                     _start_writeback(fd)
             finally:
                 os.close(fd)
             created = _link_no_replace(tmp, path)
-            self._defer(path, wrote=(sum(p.nbytes for p in parts), began, writing))
+            self._defer(path)
             return created
         except OSError as exc:
             raise self._error("writing", key, exc) from exc
@@ -183,12 +177,10 @@ class LocalStore(ObjectStore):
             return
         with self._flush_lock:
             with self._sync_lock:
-                files, dirs, batch = self._unsynced, self._unsynced_dirs, self._batch
+                files, dirs = self._unsynced, self._unsynced_dirs
                 self._unsynced, self._unsynced_dirs = set(), set()
-                self._batch = _diskrate.Batch()
             if not files and not dirs:
                 return
-            sync_began = time.monotonic()
             try:
                 with ThreadPoolExecutor(min(16, max(1, len(files)))) as pool:
                     synced = list(pool.map(fsync_path, files))
@@ -202,9 +194,6 @@ class LocalStore(ObjectStore):
                     f"flushing {len(files)} objects to disk under {self.url} failed: "
                     f"{exc.strerror or exc}"
                 ) from exc
-            self.write_bandwidth_hint = _diskrate.record(
-                self._device, batch, sync_began, default=type(self).write_bandwidth_hint
-            )
             with self._sync_lock:
                 if len(self._durable) > DURABLE_LIMIT:
                     self._durable.clear()
@@ -216,20 +205,11 @@ class LocalStore(ObjectStore):
         """Flush ``key`` (found already stored) at the next :meth:`flush` too."""
         self._defer(self._path(key))
 
-    def _defer(
-        self,
-        path: Path | None = None,
-        *,
-        directory: Path | None = None,
-        wrote: tuple[int, float, float] | None = None,
-    ) -> None:
-        """Remember a file (and its directory) or a directory whose entries changed; ``wrote``:
-        the bytes just written to the file, when the write began and the seconds it took."""
+    def _defer(self, path: Path | None = None, *, directory: Path | None = None) -> None:
+        """Remember a file (and its directory) or a directory whose entries changed."""
         if not self._fsync:
             return
         with self._sync_lock:
-            if wrote is not None:
-                self._batch.wrote(*wrote)
             if path is not None:
                 known = self._durable.get(str(path))
                 if known is not None and known == file_id(path):

@@ -101,8 +101,6 @@ class ReplicatingStore(ObjectStore):
         with self._lock:
             adopted, self._adopted = sorted(self._adopted), set()
         self.own.flush()
-        # A local tier measures its disk at its flushes (``_diskrate``): follow it.
-        self.write_bandwidth_hint = self.own.write_bandwidth_hint
         if not self.peers:
             return
         assert self._pool is not None
