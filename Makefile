@@ -101,8 +101,10 @@ bench-store: $(VENV)/.installed-dev
 	$(PY) bench/bench_store.py
 
 ## bench-gpu: async-save blocked time of 4 and 16 GiB of GPU state against dcp.async_save's pinned
-## stager, and the device-to-host rate against the device's pinned-copy peak (prints one line and
-## exits 0 without CUDA). Runs on the GPU machine's own Python and CUDA torch (PYTHON=/path/to/python
+## stager, and the device-to-host rate against the device's pinned-copy peak; loads into device
+## tensors (Run.load atomic and atomic=False, hot and evicted) against dcp.load, the H2D pinned peak
+## and the read+hash floor, and load time against size (prints one line and exits 0 without CUDA).
+## Runs on the GPU machine's own Python and CUDA torch (PYTHON=/path/to/python
 ## if python3 is not the one with torch): installs nothing but the project into it (editable, no
 ## build isolation); a machine without internet takes the missing dependencies from WHEELS=dir
 bench-gpu:

@@ -1,5 +1,6 @@
 """GPU state: how long an asynchronous save blocks training, against torch DCP's ``async_save``
-with its pinned-memory stager, and how close the device-to-host copy comes to the device's peak.
+with its pinned-memory stager, and how close the device-to-host copy comes to the device's peak;
+then how long a load into device tensors takes, against ``dcp.load`` and the load's floors.
 
 On one CUDA device, for each size in ``--sizes-gib`` (default 4 and 16), a state of bf16 weights
 (a fifth of the bytes) and two fp32 Adam moments (four fifths) is built on the GPU. Then, the
@@ -25,23 +26,53 @@ so ckptstore's steady saves deduplicate against the first and the disk holds one
 state per contender; DCP's directories are removed after each save. Disk needed: about 2x the
 largest size.
 
+**Loads** (issue 43), for each size: a state of the same kind on the GPU is saved once by
+ckptstore (``Run.save`` to a local directory store) and once by ``dcp.save`` (DCP's
+``FileSystemWriter``), untimed; each contender's load is checked bit-exact against the saved
+state before anything is timed. Then, the contenders alternating (the order rotates every
+repetition), each into the same device tensors:
+
+- ``ckptstore Run.load(into=) atomic`` (the default: no tensor written before every blob has
+  verified; the device copies go to device scratch while the blobs are read, where the device
+  has room, then device-to-device into the tensors) and ``Run.load(into=, atomic=False)`` (each
+  blob's bytes copied into the tensors as it verifies): every blob read into reused pinned
+  buffers and BLAKE3-verified on the load's threads, the host-to-device copy on side streams,
+  overlapped with the reads;
+- ``dcp.load`` with DCP's ``FileSystemReader`` (``no_dist=True``);
+
+each **hot** (the contender's own files read just before: in the page cache) and **evicted**
+(every file of both stores dropped from the page cache with ``posix_fadvise(DONTNEED)``, as
+bench_load.py does, before the timed call). Every timed load ends with the device synchronized.
+Measured in the same run, the floors: the **H2D pinned peak** (``copy_(non_blocking=True)`` of a
+1 GiB pinned buffer to the device, best of 5; the H2D floor is the state's bytes at that rate)
+and the **read+hash floor** (every blob file of ckptstore's store read and BLAKE3-hashed, a file
+per thread on every CPU, as bench_load.py does; hot and evicted). Goals printed beside each
+ckptstore row: <= 1.0x ``dcp.load`` at the same temperature, and <= 1.2x max(read+hash floor,
+H2D floor). Last, the **GPU load time against size** curve: each size's medians in one table.
+Disk for the loads: about 2x the largest size more.
+
 Without CUDA it prints one line and exits 0 (``--allow-cpu`` runs the same code on CPU tensors
 with small sizes, a smoke test of the script itself, not a measurement).
 
 Run: ``make bench-gpu`` (= ``.venv/bin/python bench/bench_gpu.py``), ``--sizes-gib 4 16``,
-``--reps 3``, ``--dir`` (scratch directory, default ``bench/out/gpu``), ``--json``.
+``--reps 3``, ``--load-reps 2`` (timed loads per contender and temperature), ``--dir`` (scratch
+directory, default ``bench/out/gpu``), ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,6 +248,198 @@ CONTENDERS: tuple[Callable[[dict[str, torch.Tensor], Path, int, torch.device], R
 )
 
 
+# -- loads into device tensors ----------------------------------------------------------------
+
+LOAD_ATOMIC = "ckptstore Run.load(into=) atomic"
+LOAD_STREAM = "ckptstore Run.load(into=, atomic=False)"
+LOAD_DCP = "dcp.load (FileSystemReader)"
+TEMPERATURES = ("hot", "evicted")
+#: The load contenders' names in the time-against-size curve.
+SHORT = {
+    LOAD_ATOMIC: "ckptstore atomic",
+    LOAD_STREAM: "ckptstore atomic=False",
+    LOAD_DCP: "dcp.load",
+}
+
+
+@dataclass
+class LoadRow:
+    """One load contender at one size and page-cache temperature: seconds of each timed load."""
+
+    contender: str
+    size_gib: float
+    temperature: str
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else float("nan")
+
+
+def files_of(root: Path) -> Iterator[Path]:
+    """Every file under ``root``."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            yield Path(dirpath) / name
+
+
+def evict(root: Path) -> None:
+    """Drop every file under ``root`` from the page cache (fsynced first, so the pages are clean
+    and really go), as bench_load.py does."""
+    for path in files_of(root):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_files(root: Path, *, hashed: bool) -> None:
+    """Read every file under ``root``, a file per thread on every CPU; ``hashed``: BLAKE3 every
+    byte too (bench_load.py's read+hash floor of an evicted verified load)."""
+    from blake3 import blake3
+
+    def one(path: Path) -> None:
+        hasher = blake3(max_threads=1)
+        with open(path, "rb", buffering=0) as f:
+            while piece := f.read(1 << 20):
+                if hashed:
+                    hasher.update(piece)
+
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(one, files_of(root)))
+
+
+def h2d_peak(device: torch.device) -> float:
+    """Host-to-device GB/s from a pinned 1 GiB buffer (``non_blocking=True``), best of 5."""
+    if device.type != "cuda":
+        return float("nan")
+    source = torch.empty(PEAK_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(PEAK_COPY_BYTES, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=True)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    del source, target
+    return PEAK_COPY_BYTES / best / 1e9
+
+
+class LoadBench:
+    """One size: a device state saved by both contenders, the device tensors they load into,
+    and each contender's load (checked bit-exact against the saved state on construction)."""
+
+    def __init__(self, size_gib: float, scratch: Path, device: torch.device) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.device = device
+        self.root = scratch / "loads"
+        self.ours, self.theirs = self.root / "ckptstore", self.root / "dcp"
+        state = build_state(size_gib, device)
+        self.nbytes = state_bytes(state)
+        self.run = open_run(
+            "gpu-load", db=self.ours / "manifest.db", store=self.ours / "store", async_save=False
+        )
+        self.run.save(0, {"state": state})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # DCP: "assuming a single process"
+            dcp.save(state, checkpoint_id=str(self.theirs), no_dist=True)
+        self.into = {name: torch.empty_like(tensor) for name, tensor in state.items()}
+        self.loads: dict[str, tuple[Callable[[], None], Path]] = {
+            LOAD_ATOMIC: (lambda: self._ours(atomic=True), self.ours),
+            LOAD_STREAM: (lambda: self._ours(atomic=False), self.ours),
+            LOAD_DCP: (self._dcp, self.theirs),
+        }
+        for contender, (load, _) in self.loads.items():
+            with torch.no_grad():
+                for tensor in self.into.values():
+                    tensor.fill_(float("nan"))
+            load()
+            synchronize(device)
+            for name, tensor in state.items():
+                if not torch.equal(self.into[name].view(torch.uint8), tensor.view(torch.uint8)):
+                    raise AssertionError(f"{contender}: {name} differs from the saved bytes")
+        del state
+
+    def _ours(self, *, atomic: bool) -> None:
+        self.run.load(0, into={"state": self.into}, atomic=atomic)
+
+    def _dcp(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(self.into, storage_reader=FileSystemReader(str(self.theirs)), no_dist=True)
+
+    def timed(self, contender: str, temperature: str) -> float:
+        """One load of ``contender``, its files hot or every file of both stores evicted."""
+        load, files = self.loads[contender]
+        if temperature == "hot":
+            read_files(files, hashed=False)
+        else:
+            evict(self.ours)
+            evict(self.theirs)
+        synchronize(self.device)
+        start = time.perf_counter()
+        load()
+        synchronize(self.device)
+        return time.perf_counter() - start
+
+    def floor(self, temperature: str) -> float:
+        """Seconds to read and BLAKE3-hash every blob file of ckptstore's store."""
+        store = self.ours / "store"
+        if temperature == "hot":
+            read_files(store, hashed=False)
+        else:
+            evict(store)
+        start = time.perf_counter()
+        read_files(store, hashed=True)
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        """Close the run, drop the device tensors and remove both stores."""
+        self.run.close()
+        self.into.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def measure_loads(
+    size_gib: float, reps: int, scratch: Path, device: torch.device
+) -> tuple[list[LoadRow], dict[str, float]]:
+    """Every load contender at ``size_gib``, hot and evicted, alternating; and the read+hash
+    floor (median seconds, hot and evicted) measured in between."""
+    bench = LoadBench(size_gib, scratch, device)
+    size = bench.nbytes / GiB
+    try:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0] / GiB
+            print(f"loads at {size:.2f} GiB: {free:.1f} GiB free on the device", flush=True)
+        rows = {(c, t): LoadRow(c, size, t) for t in TEMPERATURES for c in [*bench.loads, "floor"]}
+        contenders = list(bench.loads)
+        for rep in range(reps):
+            order = contenders[rep % len(contenders) :] + contenders[: rep % len(contenders)]
+            for temperature in TEMPERATURES:
+                for contender in order:
+                    rows[(contender, temperature)].seconds.append(
+                        bench.timed(contender, temperature)
+                    )
+                rows[("floor", temperature)].seconds.append(bench.floor(temperature))
+    finally:
+        bench.close()
+    floors = {t: rows.pop(("floor", t)).median for t in TEMPERATURES}
+    for row in rows.values():
+        print(
+            f"measured {row.contender} at {row.size_gib:.2f} GiB {row.temperature}: "
+            f"{[round(s, 3) for s in row.seconds]} s",
+            flush=True,
+        )
+    return list(rows.values()), floors
+
+
 def check_round_trip(scratch: Path, device: torch.device) -> str:
     """What the timings rest on: an async save of device tensors holds the bytes they had when
     the call returned, though the caller overwrites them at once (a training step), and a load
@@ -243,10 +466,13 @@ def check_round_trip(scratch: Path, device: torch.device) -> str:
     return f"{len(expected)} {device.type} tensors, overwritten after save returned: bit-exact"
 
 
-def measure(sizes: list[float], reps: int, scratch: Path, device: torch.device) -> dict[str, Any]:
-    """Every contender at every size, plus the copy rates."""
+def measure(
+    sizes: list[float], reps: int, load_reps: int, scratch: Path, device: torch.device
+) -> dict[str, Any]:
+    """Every contender at every size, plus the copy rates; then the loads and their floors."""
     print(f"round trip: {check_round_trip(scratch, device)}", flush=True)
     rates = copy_rates(device)
+    rates["h2d_pinned_gbps"] = h2d_peak(device)
     rows: list[Row] = []
     for size in sizes:
         state = build_state(size, device)
@@ -263,7 +489,21 @@ def measure(sizes: list[float], reps: int, scratch: Path, device: torch.device) 
         del state
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"device": describe(device), "rates": rates, "rows": rows}
+    loads: list[LoadRow] = []
+    floors: dict[float, dict[str, float]] = {}
+    for size in sizes:
+        found, floor = measure_loads(size, load_reps, scratch, device)
+        loads += found
+        floors[round(found[0].size_gib, 2)] = floor
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {
+        "device": describe(device),
+        "rates": rates,
+        "rows": rows,
+        "loads": loads,
+        "load_floors": floors,
+    }
 
 
 def describe(device: torch.device) -> str:
@@ -297,10 +537,50 @@ def print_table(result: dict[str, Any]) -> None:
             print(f"{size:.2f} GiB: ckptstore blocked / dcp.async_save blocked = {ratio:.2f}x")
 
 
+def print_loads(result: dict[str, Any]) -> None:
+    """The load rows beside ``dcp.load`` and the floors, then the time-against-size curve."""
+    h2d = result["rates"]["h2d_pinned_gbps"]
+    print(f"host-to-device peak (pinned, 1 GiB, best of 5): {h2d:.1f} GB/s")
+    medians = {(r.contender, r.size_gib, r.temperature): r.median for r in result["loads"]}
+    print(
+        f"{'load':42} {'GiB':>6} {'cache':>8} {'median s':>9} {'GB/s':>6} "
+        f"{'x dcp':>6} {'x floor':>8}  goals: <= 1.0x dcp.load, <= 1.2x max(read+hash, H2D)"
+    )
+    for row in result["loads"]:
+        nbytes = row.size_gib * GiB
+        floors = result["load_floors"][round(row.size_gib, 2)]
+        h2d_s = 0.0 if math.isnan(h2d) else nbytes / (h2d * 1e9)
+        floor = max(floors[row.temperature], h2d_s)
+        versus = row.median / medians[(LOAD_DCP, row.size_gib, row.temperature)]
+        against = "" if row.contender == LOAD_DCP else f"{versus:6.2f} {row.median / floor:8.2f}"
+        print(
+            f"{row.contender:42} {row.size_gib:6.2f} {row.temperature:>8} {row.median:9.3f} "
+            f"{nbytes / row.median / 1e9:6.1f} {against}"
+        )
+    for size, floors in result["load_floors"].items():
+        h2d_s = size * GiB / (h2d * 1e9)
+        print(
+            f"{size:.2f} GiB floors: read+hash {floors['hot']:.3f} s hot, "
+            f"{floors['evicted']:.3f} s evicted; H2D {h2d_s:.3f} s"
+        )
+    print("GPU load time against size (median s; hot / evicted):")
+    contenders = list(dict.fromkeys(r.contender for r in result["loads"]))
+    print(f"{'GiB':>6} " + " ".join(f"{SHORT[c]:>24}" for c in contenders))
+    for size in sorted({r.size_gib for r in result["loads"]}):
+        cells = [
+            f"{medians[(c, size, 'hot')]:.3f} / {medians[(c, size, 'evicted')]:.3f}"
+            for c in contenders
+        ]
+        print(f"{size:6.2f} " + " ".join(f"{cell:>24}" for cell in cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes-gib", type=float, nargs="+", default=[4.0, 16.0])
     parser.add_argument("--reps", type=int, default=2, help="steady saves after the first")
+    parser.add_argument(
+        "--load-reps", type=int, default=2, help="timed loads per contender and cache state"
+    )
     parser.add_argument("--dir", type=Path, default=BENCH_DIR / "out" / "gpu")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     parser.add_argument(
@@ -317,13 +597,26 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="gpu-", dir=args.dir))
     try:
-        result = measure(args.sizes_gib, args.reps, scratch, device)
+        result = measure(args.sizes_gib, args.reps, args.load_reps, scratch, device)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     print_table(result)
+    print_loads(result)
     if args.json:
         rows = [asdict(row) | {"steady_median": row.steady_median} for row in result["rows"]]
-        print(json.dumps({"device": result["device"], "rates": result["rates"], "rows": rows}))
+        loads = [asdict(row) | {"median": row.median} for row in result["loads"]]
+        floors = {str(size): floor for size, floor in result["load_floors"].items()}
+        print(
+            json.dumps(
+                {
+                    "device": result["device"],
+                    "rates": result["rates"],
+                    "rows": rows,
+                    "loads": loads,
+                    "load_floors": floors,
+                }
+            )
+        )
     return 0
 
 

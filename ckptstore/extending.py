@@ -28,6 +28,8 @@ from :mod:`ckptstore.errors` or from the package's top level -- never from the l
   layout (chunks inside it, not overlapping, covering it exactly) before anything is allocated.
   :func:`check_targets` refuses, before a byte is written, the caller's tensors that a load
   could not fill exactly (meta, self-overlapping, or sharing memory with another target).
+  :class:`Staging` fills device (CUDA) tensors through reused pinned buffers and side streams,
+  the host-to-device copies overlapped with the reads (what ``Run.load`` does for them).
 - **Damage**: :func:`mark_corrupt` does what a load does with a checkpoint that fails
   verification; :class:`MissingBlobError` is the ``IntegrityError`` of a blob that is gone.
 - **Where**: :func:`open_store` and :class:`ObjectStore`; :class:`WriterOptions` tune uploads;
@@ -70,6 +72,7 @@ from ckptstore.serialize.index import MAX_DIMS, Entry
 from ckptstore.serialize.pieces import Piece, SourceTensor
 from ckptstore.serialize.reader import BlobCache, ComponentReader, blob_ends
 from ckptstore.serialize.save import ComponentResult, flatten_state
+from ckptstore.serialize.staging import Staging
 from ckptstore.serialize.tiling import WRONG_METADATA, check_shape, check_tiling
 from ckptstore.settings import default_db, default_store
 from ckptstore.tiers import TierConfig
@@ -98,6 +101,7 @@ __all__ = [
     "ShardReceipt",
     "ShardWriter",
     "SourceTensor",
+    "Staging",
     "WriterOptions",
     "check_digest",
     "check_nonce",

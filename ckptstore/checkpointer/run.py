@@ -339,13 +339,13 @@ class Run:
         anything is read. ``atomic`` (the default): the tensors are written only once every
         blob of the checkpoint has verified -- either all are filled from verified bytes or
         none is touched (a fallback's older checkpoint is loaded the same way); the load holds
-        the bytes until then (memory as a load without ``into``). ``atomic=False``: a dense
-        CPU tensor is filled straight from the store as each blob is read and verified, any
-        other (a GPU or strided tensor) by one copy at the end: no memory besides the
-        tensors, no second pass; but a checkpoint that fails verification may leave
-        unverified bytes in them until the fallback's older checkpoint is loaded over them
-        (a fallback that lacks one of them fails, naming it), and if none verifies their
-        contents are undefined.
+        the bytes until then (memory as a load without ``into``; for GPU tensors device
+        scratch where the device has room, else host memory). ``atomic=False``: a dense CPU or
+        GPU tensor is filled as each blob is read and verified (GPU: through reused pinned
+        buffers, the copy overlapped with the reads), a strided one by one copy at the end;
+        but a checkpoint that fails verification may leave unverified bytes in them until the
+        fallback's older checkpoint is loaded over them (a fallback that lacks one of them
+        fails, naming it), and if none verifies their contents are undefined.
         """
         if self.tiers is not None:
             return recovery.load_nearest(

@@ -8,6 +8,14 @@ of the workers (:mod:`ckptstore.serialize.readahead`), so the disk never waits o
 Otherwise blobs are fetched whole and copied into their destinations as they arrive, so at
 most ``max_workers`` decoded blobs are held besides the results; a tensor that is exactly one
 raw blob then becomes a view of the fetched buffer (no copy).
+
+Targets in device memory (``into`` CUDA tensors) are filled through the load's staging
+(:mod:`ckptstore.serialize.staging`): each thread reads a blob's share for the device into a
+pinned buffer, verifies it, and copies it to the device on a side stream while it goes on
+with the next blob. Not atomic, a dense target takes the bytes itself; atomic (or a target
+that is not dense), they go to device scratch, copied into the targets once every blob has
+verified -- or, where the device lacks room for the scratch, they are held in host memory and
+sent through the staging buffers at the end, by every thread of the load at once.
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import struct
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -32,6 +41,7 @@ from ckptstore.serialize.disjoint import cannot_hold, check_disjoint
 from ckptstore.serialize.dtypes import numpy_dtype, torch_dtype
 from ckptstore.serialize.index import ComponentIndex, Entry
 from ckptstore.serialize.readahead import Prefetching, ReadAhead
+from ckptstore.serialize.staging import Outgoing, Staging, run_all
 
 
 def max_blob_len(targets: Iterable[tuple[str, int, int]]) -> int:
@@ -65,7 +75,8 @@ class _Assembler:
     read into a buffer of the load's own and copied into the tensor once every blob of the
     load has verified (``atomic``: all or nothing); or, not ``atomic``, straight into the
     tensor as its blob arrives when the tensor's memory allows (a contiguous CPU tensor:
-    ``in_place``), the others copied into at the end."""
+    ``in_place``), the others copied into at the end. Device targets go through the load's
+    staging (``staged``, set by :meth:`prepare`)."""
 
     def __init__(
         self, entries: list[Entry], targets: dict[int, torch.Tensor], *, atomic: bool = True
@@ -73,11 +84,48 @@ class _Assembler:
         self.entries = entries
         self.buffers: list[Any] = [None] * len(entries)
         self.targets = targets
+        self.atomic = atomic
         #: The entries whose target tensor's own memory the blobs are read into.
-        self.in_place = set() if atomic else {n for n, t in targets.items() if _direct(t)}
-        for n in self.in_place:
-            self.buffers[n] = _bytes_of(targets[n])
+        self.in_place: set[int] = set()
+        #: Entries filled through the staging -> the device bytes their blobs are copied into
+        #: as they verify (the target's own, or its scratch copy); None: held in host memory.
+        self.staged: dict[int, torch.Tensor | None] = {}
+        #: The staged entries whose device bytes are scratch, copied to the target at the end.
+        self.scratched: set[int] = set()
         self._lock = threading.Lock()
+
+    def prepare(self, staging: Staging) -> dict[int, tuple[torch.device, int]]:
+        """Decide where each target's bytes go (on the caller's thread, before any read);
+        the entries that would rather go through device scratch: entry -> (device, bytes)."""
+        wanted = {}
+        for n, target in self.targets.items():
+            if staging.takes(target):
+                direct = not self.atomic and _dense(target)
+                self.staged[n] = _flat_bytes(target) if direct else None
+                if not direct:
+                    wanted[n] = (target.device, self.entries[n].nbytes)
+            elif not self.atomic and _direct(target):
+                self.in_place.add(n)
+                self.buffers[n] = _bytes_of(target)
+        return wanted
+
+    def take_scratch(self, n: int, scratch: torch.Tensor) -> None:
+        """Entry ``n``'s blobs go to ``scratch`` (device memory), copied to it at the end."""
+        self.staged[n] = scratch
+        self.scratched.add(n)
+
+    def staged_bytes(self, targets: list[_Target]) -> int:
+        """Bytes of a blob bound for device memory (its staged targets')."""
+        return sum(t.length for t in targets if t.entry in self.staged)
+
+    def outgoing(self, staging: Staging, targets: list[_Target]) -> Outgoing:
+        """A blob's bytes bound for device memory: target number -> its device bytes."""
+        parts = {}
+        for i, t in enumerate(targets):
+            device = self.staged.get(t.entry)
+            if device is not None and t.length:
+                parts[i] = device[t.dest : t.dest + t.length]
+        return Outgoing(staging, parts)
 
     def destination(self, t: _Target, where: str) -> memoryview:
         """The slice of its entry's buffer that ``t``'s bytes go to (allocated on first use)."""
@@ -86,8 +134,9 @@ class _Assembler:
                 self.buffers[t.entry] = _allocate(self.entries[t.entry].nbytes, where)
         return self.buffers[t.entry][t.dest : t.dest + t.length]  # type: ignore[no-any-return]
 
-    def place(self, digest: str, raw: memoryview, targets: list[_Target], where: str) -> None:
-        """Copy (or hand over) one verified blob's bytes to every entry segment it holds.
+    def place(self, raw: memoryview, targets: list[_Target], out: Outgoing, where: str) -> None:
+        """Copy (or hand over) one verified blob's bytes to every entry segment it holds, or
+        to ``out`` for the device.
 
         Called from several threads at once; segments of one entry never overlap, so only
         the allocation of an entry's buffer needs the lock.
@@ -97,8 +146,12 @@ class _Assembler:
                 path = self.entries[t.entry].path
                 raise IntegrityError(f"{where}: entry {path!r} points past the end of the blob")
         handed_over = False
-        for t in targets:
+        for i, t in enumerate(targets):
             entry = self.entries[t.entry]
+            source = raw[t.offset : t.offset + t.length]
+            if i in out.at:
+                out.view(i)[:] = source
+                continue
             whole = t.offset == 0 and t.length == raw.nbytes == entry.nbytes
             mine = t.entry not in self.in_place  # a caller's memory is filled, never replaced
             if whole and mine and not raw.readonly and not handed_over:
@@ -107,23 +160,56 @@ class _Assembler:
                 self.buffers[t.entry] = raw
                 handed_over = True
                 continue
-            self.destination(t, where)[:] = raw[t.offset : t.offset + t.length]
+            self.destination(t, where)[:] = source
+
+    def uploads(self, staging: Staging, where: str) -> list[Callable[[], None]]:
+        """The copies into staged targets that wait for the whole load: each scratch copy to
+        its target, and the host-held entries in pieces through the staging buffers."""
+        jobs: list[Callable[[], None]] = []
+        for n, held in self.staged.items():
+            target = self.targets[n].detach()
+            if n in self.scratched:
+                assert held is not None
+                jobs.append(partial(staging.copy, target, _typed(held, target)))
+            elif held is None:
+                source = _materialize(self.entries[n], self.buffers[n], where)
+                jobs += [partial(staging.put, *p) for p in staging.pieces(target, source)]
+        return jobs
+
+    def release(self) -> None:
+        """Drop the scratch copies (the load's copies have all completed)."""
+        for n in self.scratched:
+            self.staged[n] = None
 
 
-def _direct(tensor: torch.Tensor) -> bool:
-    """Whether a load can write ``tensor``'s memory byte for byte: a dense CPU tensor."""
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s memory holds its elements in order, byte for byte."""
     return (
-        tensor.device.type == "cpu"
-        and tensor.is_contiguous()
+        tensor.is_contiguous()
         and not tensor.is_conj()
         and not tensor.is_neg()
         and tensor.numel() > 0
     )
 
 
+def _direct(tensor: torch.Tensor) -> bool:
+    """Whether a load can write ``tensor``'s memory byte for byte: a dense CPU tensor."""
+    return tensor.device.type == "cpu" and _dense(tensor)
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a uint8 tensor of one dimension (a view)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _typed(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Bytes ``flat`` (uint8) seen as a dense tensor of ``like``'s dtype and shape."""
+    return flat.view(like.dtype).view(like.shape)
+
+
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """``tensor``'s memory as writable bytes (no copy; autograd is not involved)."""
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
+    return _flat_bytes(tensor).numpy().data
 
 
 def _targets(
@@ -241,25 +327,34 @@ class EntryLoad:
                 dest += seg.length
         self.bounds = _blob_bounds(index, self.by_blob)
 
-    def fetch(self, digest: str) -> None:
-        """Read and verify one blob of the plan into its entries' buffers (any thread)."""
+    def fetch(self, digest: str, staging: Staging) -> None:
+        """Read and verify one blob of the plan into its entries' buffers, or into staging
+        buffers and on to the device (any thread)."""
         targets = self.by_blob[digest]
         paths = ", ".join(sorted({self.chosen[t.entry].path for t in targets})[:3])
         blob_context = with_context(self.context, f"entry {paths}")
         bound = self.bounds[digest]
-        header = read_into(
-            self.store,
-            digest,
-            [(t.offset, t.length) for t in targets],
-            lambda i: self.assembler.destination(targets[i], blob_context),
-            context=blob_context,
-            max_raw_len=bound,
-        )
-        if header is None:
-            header, raw = get_blob(self.store, digest, context=blob_context, max_raw_len=bound)
-            self.assembler.place(digest, raw, targets, blob_context)
-        if header.kind is Kind.INDEX:
-            raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
+        with self.assembler.outgoing(staging, targets) as out:
+
+            def destination(i: int) -> memoryview:
+                if i in out.at:
+                    return out.view(i)
+                return self.assembler.destination(targets[i], blob_context)
+
+            header = read_into(
+                self.store,
+                digest,
+                [(t.offset, t.length) for t in targets],
+                destination,
+                context=blob_context,
+                max_raw_len=bound,
+            )
+            if header is None:
+                header, raw = get_blob(self.store, digest, context=blob_context, max_raw_len=bound)
+                self.assembler.place(raw, targets, out, blob_context)
+            if header.kind is Kind.INDEX:
+                raise IntegrityError(f"blob {digest} ({blob_context}) is an index, not data")
+            out.send()
 
     def results(self) -> dict[int, Any]:
         """Position (in the index) -> value, once :func:`fetch_all` has fetched every blob."""
@@ -269,14 +364,23 @@ class EntryLoad:
         }
 
 
-def fetch_all(store: ObjectStore, loads: Sequence[EntryLoad], *, max_workers: int = 0) -> None:
+def fetch_all(
+    store: ObjectStore,
+    loads: Sequence[EntryLoad],
+    *,
+    max_workers: int = 0,
+    staging: Staging | None = None,
+) -> None:
     """Fetch every blob of ``loads`` on one pool of ``max_workers`` threads (default: the
     store's read concurrency), the store reading ahead of the workers over all of them in
     order: the components of a checkpoint load as one stream, with no pause between one
     component's last blobs and the next one's first (a pool per component left a thread idle
     while its last blob finished and the disk idle until the next read-ahead began). The
     first error, in the order of the blobs, is raised once every started fetch has ended;
-    the blobs not started by then are not read."""
+    the blobs not started by then are not read.
+
+    Device targets go through ``staging`` (default: a new :class:`Staging`): see the module
+    docstring. Every copy it made has completed when this returns or raises."""
     # Targets of different entries (of any component) that share memory: refused before
     # anything is read, as each target's own checks are when its load is planned.
     check_disjoint(
@@ -285,34 +389,56 @@ def fetch_all(store: ObjectStore, loads: Sequence[EntryLoad], *, max_workers: in
         for n, target in load.assembler.targets.items()
     )
     jobs = [(load, digest, blob_key(digest)) for load in loads for digest in load.by_blob]
-    if not jobs:
-        return
     workers = max_workers or store.read_concurrency
+    staging = staging or Staging()
+    _plan_staging(loads, staging, workers)
     # The store reads the next blobs while the workers verify theirs (see readahead); a blob
     # two components share is read ahead once.
     ahead = (
         ReadAhead(store, list(dict.fromkeys(key for _, _, key in jobs)))
-        if isinstance(store, Prefetching)
+        if isinstance(store, Prefetching) and jobs
         else None
     )
 
     def take(load: EntryLoad, digest: str, key: str) -> None:
         if ahead is not None:
             ahead.taken(key)
-        load.fetch(digest)
+        load.fetch(digest, staging)
 
-    with (
-        ahead or contextlib.nullcontext(),
-        ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool,
-    ):
-        futures = [pool.submit(take, *job) for job in jobs]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:  # the blobs not started yet are not read for nothing
-                future.cancel()
-            raise
+    try:
+        with (
+            ahead or contextlib.nullcontext(),
+            ThreadPoolExecutor(workers, thread_name_prefix="ckpt-load") as pool,
+        ):
+            run_all(pool, [partial(take, *job) for job in jobs])
+            # Every blob has verified: the copies that waited for that, on every thread, once
+            # the copies into scratch (on every thread's stream) have completed.
+            staging.synchronize()
+            run_all(pool, [j for ld in loads for j in ld.assembler.uploads(staging, ld.where)])
+    finally:
+        staging.synchronize()
+        for load in loads:
+            load.assembler.release()
+
+
+def _plan_staging(loads: Sequence[EntryLoad], staging: Staging, threads: int) -> None:
+    """Where the device targets of ``loads`` take their bytes (on the caller's thread): the
+    staging sized for the largest piece it sends, and device scratch for the targets that
+    cannot be written as blobs arrive, where the device has room for all of them."""
+    wanted = {
+        (i, n): want
+        for i, load in enumerate(loads)
+        for n, want in load.assembler.prepare(staging).items()
+    }
+    staged = [(load, n) for load in loads for n in load.assembler.staged]
+    if not staged:
+        return
+    shares = [load.assembler.staged_bytes(ts) for load in loads for ts in load.by_blob.values()]
+    largest = max(shares + [load.chosen[n].nbytes for load, n in staged])
+    devices = dict.fromkeys(load.assembler.targets[n].device for load, n in staged)
+    staging.prepare(devices, largest, threads)
+    for (i, n), scratch in staging.scratch(wanted).items():
+        loads[i].assembler.take_scratch(n, scratch)
 
 
 def load_entries(
@@ -330,10 +456,12 @@ def load_entries(
     ``into`` maps entry paths to existing tensors of the stored dtype and shape: those entries
     are loaded into them and their values are those same tensors. ``atomic`` (the default):
     each is copied into once every blob has verified, so if this raises none was touched (the
-    load holds the bytes meanwhile: memory for the entries, as without ``into``). Not
-    ``atomic``: a dense CPU tensor is written in place as its blobs arrive (no memory besides
-    it), any other copied into at the end; if this raises, such tensors may hold unverified
-    bytes."""
+    load holds the bytes meanwhile: memory for the entries, as without ``into`` -- for device
+    tensors, device scratch of their size where the device has that much free besides a
+    margin, else host memory). Not ``atomic``: a dense CPU or device tensor is written as its
+    blobs arrive (no memory besides it and the staging buffers), any other copied into at
+    the end; if this raises, such tensors may hold unverified bytes. Device tensors also take
+    two pinned staging buffers per thread of at most 64 MiB each (see ``staging``)."""
     load = EntryLoad(store, index, entries, context=context, into=into, atomic=atomic)
     fetch_all(store, [load], max_workers=max_workers)
     return load.results()
@@ -344,7 +472,7 @@ def _result(assembler: _Assembler, n: int, entry: Entry, where: str) -> Any:
     target = assembler.targets.get(n)
     if target is None:
         return _materialize(entry, assembler.buffers[n], where)
-    if n not in assembler.in_place:
+    if n not in assembler.in_place and n not in assembler.staged:
         with torch.no_grad():
             target.copy_(_materialize(entry, assembler.buffers[n], where))
     return target

@@ -157,9 +157,9 @@ class ComponentReader:
         bytes and the result holds that same tensor. A matching tensor of another dtype or
         shape is a ``ConfigError`` before anything is read. ``atomic`` (the default): the
         tensors are written once every blob has verified (all or nothing; the load holds the
-        bytes until then); ``atomic=False``: a dense CPU tensor is written in place as its
-        blobs arrive -- no new memory, no second copy -- and may hold unverified bytes if the
-        load fails.
+        bytes until then); ``atomic=False``: a dense CPU (or GPU, through pinned staging
+        buffers) tensor is written as its blobs arrive -- no new memory, no second copy -- and
+        may hold unverified bytes if the load fails.
         """
         plan = self.plan(into=into, atomic=atomic)
         return load_components(self.store, [plan], max_workers=max_workers)[0]

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +43,13 @@ from ckptstore.extending import (
     torch_dtype,
 )
 from ckptstore.integrations.dcp import _plan, _share
+from ckptstore.integrations.dcp._boxes import (
+    BoxWrites,
+    box_source,
+    check_box,
+    run_all,
+    stored_text,
+)
 from ckptstore.integrations.dcp._metadata import (
     METADATA_COMPONENT,
     METADATA_FORMAT,
@@ -235,7 +241,7 @@ class CkptStoreReader(StorageReader):
             _, entry = item_entry(reader, location.position)
             if entry.is_array:
                 where = _with_context(reader.context, f"entry {entry.path}")
-                ends += blob_ends(entry, *_check_box(entry, item, where))
+                ends += blob_ends(entry, *check_box(entry, item, where))
         return _share.wanted_bytes(ends)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -253,9 +259,6 @@ class CkptStoreReader(StorageReader):
             self.shared_out, self.shared_in = walk.counts(dist.get_rank(group))
         stored = self.stored_metadata()
         groups: dict[Location, list[ReadItem]] = {}
-        # Atomic: every write (a plain value, a tensor box) waits here until all have verified.
-        writes: list[Callable[[], None]] = []
-        defer = writes.append if self.atomic else _now
         for item in plan.items:
             location = stored.metadata.storage_data.get(item.storage_index)
             if location is None:
@@ -270,27 +273,34 @@ class CkptStoreReader(StorageReader):
                 )
             groups.setdefault(location, []).append(item)
         cache = BlobCache(self.store, held)
-        tasks: list[tuple[ComponentReader, Entry, str, list[tuple[ReadItem, int, int]]]] = []
+        # Atomic: every write (a plain value, a tensor box) waits until all have verified.
+        writes = BoxWrites(planner, atomic=self.atomic)
+        tasks: list[tuple[ComponentReader, Entry, str, list[tuple[ReadItem, int, int, int]]]] = []
         for location, items in groups.items():
             reader = self._rank_reader(stored, location.rank)
             _, entry = item_entry(reader, location.position)
             where = _with_context(reader.context, f"entry {entry.path}")
             if not entry.is_array:
                 for item in items:
-                    text = _stored_text(entry, item, where)
-                    defer(functools.partial(planner.load_bytes, item, io.BytesIO(text)))
+                    writes.value(item, stored_text(entry, item, where))
                 continue
-            boxes = [(item, *_check_box(entry, item, where)) for item in items]
-            cache.need(reader, entry, [(lo, hi) for _, lo, hi in boxes])
+            boxes = [(item, *check_box(entry, item, where), writes.target(item)) for item in items]
+            cache.need(reader, entry, [(lo, hi) for _, lo, hi, _ in boxes])
             tasks.append((reader, entry, where, boxes))
-        if tasks:
-            workers = min(self.max_workers, len(tasks))
-            with ThreadPoolExecutor(workers, thread_name_prefix="ckpt-dcp-read") as pool:
-                jobs = [pool.submit(self._read_boxes, *t, planner, cache, defer) for t in tasks]
-                for done in jobs:
-                    done.result()
-        for write in writes:
-            write()
+        # (The pool starts a thread per task at most, and the staged copies left for the end
+        # may use every one of max_workers.)
+        writes.prepare(self.max_workers)
+        try:
+            if tasks:
+                with ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix="ckpt-dcp-read"
+                ) as pool:
+                    reads = [functools.partial(self._read_boxes, *t, cache, writes) for t in tasks]
+                    run_all(pool, reads)
+                    writes.upload(pool)
+        finally:
+            writes.close()  # no copy into a device tensor outlives the load
+        writes.finish()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -300,28 +310,23 @@ class CkptStoreReader(StorageReader):
         reader: ComponentReader,
         entry: Entry,
         where: str,
-        boxes: list[tuple[ReadItem, int, int]],
-        planner: LoadPlanner,
+        boxes: list[tuple[ReadItem, int, int, int]],
         cache: BlobCache,
-        defer: Callable[[Callable[[], None]], None],
+        writes: BoxWrites,
     ) -> None:
-        """Read each box of one stored tensor (verified) and copy it into its target, or hand
-        the copy to ``defer`` (an atomic load's writes wait for every blob)."""
+        """Read each box of one stored tensor (verified) and hand it to ``writes``."""
         dtype = torch_dtype(entry.dtype, where)
-        strides = _contiguous_strides(entry.shape)
-        for item, lo, hi in boxes:
-            target = planner.resolve_tensor(item).detach()
+        for item, lo, hi, number in boxes:
             lengths = tuple(item.lengths)
-            if tuple(target.shape) != lengths:
+            if writes.shape(number) != lengths:
                 raise IntegrityError(
                     f"{where}: the target of {item.dest_index.fqn!r} has shape "
-                    f"{tuple(target.shape)}, the stored box {lengths}"
+                    f"{writes.shape(number)}, the stored box {lengths}"
                 )
             source = None
             if hi > lo:
-                span = torch.frombuffer(cache.read(reader, entry, lo, hi), dtype=torch.uint8)
-                source = torch.as_strided(span.view(dtype), lengths, strides)
-            defer(functools.partial(_write_box, planner, item, target, source))
+                source = box_source(cache.read(reader, entry, lo, hi), dtype, lengths, entry.shape)
+            writes.box(number, source)
 
     def _rank_reader(self, stored: StoredMetadata, rank: int) -> ComponentReader:
         with self._lock:
@@ -345,52 +350,6 @@ class CkptStoreReader(StorageReader):
         return False
 
 
-def _now(write: Callable[[], None]) -> None:
-    """A write that need not wait (a load that is not atomic)."""
-    write()
-
-
-def _write_box(
-    planner: LoadPlanner, item: ReadItem, target: torch.Tensor, source: torch.Tensor | None
-) -> None:
-    """Copy one verified box into its target and hand it to the planner."""
-    if source is not None:
-        target.copy_(source)
-    planner.commit_tensor(item, target)
-
-
-def _stored_text(entry: Entry, item: ReadItem, where: str) -> bytes:
-    """A plain value's JSON text, as the planner's ``load_bytes`` takes it."""
-    if item.type != LoadItemType.BYTE_IO or not isinstance(entry.value, str):
-        raise IntegrityError(
-            f"{where}: {item.storage_index.fqn!r} was saved as a plain value and is read as a "
-            "tensor (or the other way round)"
-        )
-    return entry.value.encode("utf-8")
-
-
-def _check_box(entry: Entry, item: ReadItem, where: str) -> tuple[int, int]:
-    """The byte span of the stored tensor that holds the box ``item`` reads, checked."""
-    if item.type != LoadItemType.TENSOR or entry.kind != "tensor":
-        raise IntegrityError(
-            f"{where}: {item.storage_index.fqn!r} is read as a tensor but was not stored as one"
-        )
-    offsets, lengths, shape = tuple(item.storage_offsets), tuple(item.lengths), entry.shape
-    if len(offsets) != len(shape) or len(lengths) != len(shape):
-        raise IntegrityError(
-            f"{where}: a {len(offsets)}-d box cannot be read from a {shape} tensor"
-        )
-    if any(o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape, strict=True)):
-        raise IntegrityError(f"{where}: the box {offsets}+{lengths} lies outside {shape}")
-    if any(n == 0 for n in lengths):
-        return 0, 0
-    itemsize = torch_dtype(entry.dtype, where).itemsize
-    strides = _contiguous_strides(shape)
-    first = sum(o * s for o, s in zip(offsets, strides, strict=True))
-    last = sum((o + n - 1) * s for o, n, s in zip(offsets, lengths, strides, strict=True))
-    return first * itemsize, (last + 1) * itemsize
-
-
 def _where(info: CheckpointInfo) -> str:
     return f"run {info.run!r}, step {info.step}"
 
@@ -398,14 +357,6 @@ def _where(info: CheckpointInfo) -> str:
 def _with_context(context: str, detail: str) -> str:
     """``detail`` after the reader's ``context`` (run, step), if it has one."""
     return f"{context}, {detail}" if context else detail
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 # -- consolidation (export) -------------------------------------------------------------------
