@@ -3,7 +3,10 @@ runs from the checkout, so its tests import ``trainer`` from the repository root
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,30 @@ from ckptstore import Run, ShardWriter, WriterOptions, open_run
 ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+
+@pytest.fixture(scope="module")
+def ray_session() -> Iterator[Any]:
+    """A local Ray session for a test module (the sharded-policy tests' actors)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    # A short directory: Ray's socket paths must fit in 107 bytes.
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        logging_level="ERROR",
+    )
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
 
 # -- a run and the controller's replay-buffer writer, for the replay-buffer tests -------------
 

@@ -12,11 +12,7 @@ tests run it), its policy ranks and rollout workers as Ray actors.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,28 +37,6 @@ from trainer.workers import PolicyWorker, RolloutRequest, RolloutWorker, policy_
 pytestmark = pytest.mark.timeout(900)
 
 WORKERS, REPLICAS = 4, 2
-
-
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[Any]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
-
-    # A short directory: Ray's socket paths must fit in 107 bytes.
-    temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        logging_level="ERROR",
-    )
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _config(root: Path, workers: int, replicas: int, **extra: Any) -> TrainerConfig:
