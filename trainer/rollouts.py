@@ -150,7 +150,9 @@ class RolloutPump:
         cancelled = isinstance(exc, asyncio.CancelledError)
         for _, prompt in todo:
             self._drop(prompt, None if cancelled else "failed")
-        if not cancelled:
+        # Once fatal, the rollouts still in flight that fail change nothing: the run stops with
+        # the failure (and the count) that made it fatal.
+        if not cancelled and self.fatal is None:
             self.rollout_failures += 1
             if self.rollout_failures >= MAX_ROLLOUT_FAILURES:
                 self.fatal = exc
