@@ -112,6 +112,7 @@ def _plan(cfg: TrainerConfig, step: int) -> ckpt_dcp.LoadPlan:
         return ckpt_dcp.plan_load(run, step)
 
 
+@pytest.mark.slow  # 4 Ray actors, ~60 s on 2 cores: make test-slow (CI's headroom is ~8 min)
 def test_replicas_train_as_one_policy_save_one_copy_and_load_each_blob_once(
     ray_session: Any, tmp_path: Path
 ) -> None:
